@@ -1,0 +1,1 @@
+"""HTTP (FastAPI, with a bare ASGI infer route) and gRPC ingress."""

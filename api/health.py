@@ -1,0 +1,100 @@
+"""What the API knows about its models' workers: a cached view of their heartbeats.
+
+A background task reads every model's heartbeat hash once per interval; probes and the
+infer path read the cached view, so neither costs a Redis round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from api.dispatch import Dispatcher
+from batching.keys import Keys
+
+log = logging.getLogger(__name__)
+
+FORGET_AFTER_S = 60.0
+"""Heartbeats older than this are deleted: their process is long gone."""
+
+
+@dataclass(slots=True)
+class ModelWorkers:
+    ready: int = 0
+    alive: int = 0
+    """Fresh heartbeats in any state (loading, ready, restarting...)."""
+    states: list[dict[str, Any]] = field(default_factory=list)
+
+
+class WorkerWatch:
+    def __init__(self, dispatcher: Dispatcher, keys: Keys, models: list[str],
+                 interval_s: float, stale_s: float) -> None:
+        self._dispatcher = dispatcher
+        self._keys = keys
+        self._models = models
+        self._interval_s = interval_s
+        self._stale_s = stale_s
+        self.view: dict[str, ModelWorkers] = {m: ModelWorkers() for m in models}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="conveyor-worker-watch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def model_ready(self, model: str) -> bool:
+        return self._dispatcher.redis_ok and self.view.get(model, ModelWorkers()).ready > 0
+
+    def model_served(self, model: str) -> bool:
+        """Some worker process exists for the model, even if it is still loading."""
+        return self.view.get(model, ModelWorkers()).alive > 0
+
+    def server_ready(self) -> bool:
+        return bool(self._models) and all(self.model_ready(m) for m in self._models)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        redis = self._dispatcher.redis
+        try:
+            pipe = redis.pipeline(transaction=False)
+            for model in self._models:
+                pipe.hgetall(self._keys.workers(model))
+            results = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._dispatcher.redis_ok = False
+            log.debug("heartbeat refresh failed: %s", exc)
+            return
+        now = time.time()
+        stale: list[tuple[str, bytes]] = []
+        for model, raw in zip(self._models, results, strict=True):
+            workers = ModelWorkers()
+            for consumer, beat in raw.items():
+                state = json.loads(beat)
+                age = now - float(state.get("ts", 0))
+                if age > FORGET_AFTER_S:
+                    stale.append((model, consumer))
+                if age > self._stale_s:
+                    continue
+                workers.alive += 1
+                workers.ready += state.get("state") == "ready"
+                workers.states.append(state)
+            self.view[model] = workers
+        if stale:
+            pipe = redis.pipeline(transaction=False)
+            for model, consumer in stale:
+                pipe.hdel(self._keys.workers(model), consumer)
+            await pipe.execute()

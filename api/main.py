@@ -1,0 +1,50 @@
+"""The API process: ``uvicorn api.main:app`` (port 8000 by convention)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.dispatch import Dispatcher
+from api.health import WorkerWatch
+from api.infer import ASGIApp, InferRoute
+from api.metrics import ApiMetrics
+from api.routes import VERSION, add_routes
+from api.service import InferenceService
+from batching.keys import Keys
+from batching.repository import load_repository
+from batching.settings import Settings
+
+log = logging.getLogger("conveyor.api")
+
+
+def create_app(settings: Settings | None = None) -> ASGIApp:
+    settings = settings or Settings()
+    keys = Keys(settings.key_prefix)
+    models = load_repository(settings.model_repository, settings.model_filter() or None)
+    dispatcher = Dispatcher(settings.redis_url, keys)
+    watch = WorkerWatch(dispatcher, keys, sorted(models), settings.heartbeat_interval_s,
+                        settings.heartbeat_stale_s)
+    service = InferenceService(models, dispatcher, watch, keys, ApiMetrics())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await dispatcher.start()
+        await watch.start()
+        log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
+        gc.collect()
+        gc.freeze()  # start-up objects never need scanning again (p99, DESIGN section 10)
+        yield
+        await watch.close()
+        await dispatcher.close()
+
+    app = FastAPI(title="conveyor", version=VERSION, lifespan=lifespan)
+    add_routes(app, service)
+    return InferRoute(app, service)
+
+
+app = create_app()

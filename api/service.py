@@ -1,0 +1,90 @@
+"""One request pipeline for every protocol: validate, enqueue, await the reply, count it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from api.dispatch import Dispatcher
+from api.health import WorkerWatch
+from api.kserve import InferRequest
+from api.metrics import ApiMetrics
+from batching.config import ModelConfig
+from batching.envelope import Reply, Request
+from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
+from batching.keys import Keys
+
+UNKNOWN_MODEL = "_unknown"
+"""Model label for requests naming no known model (keeps label cardinality bounded)."""
+
+
+@dataclass(slots=True)
+class InferenceService:
+    models: dict[str, ModelConfig]
+    dispatcher: Dispatcher
+    watch: WorkerWatch
+    keys: Keys
+    metrics: ApiMetrics
+
+    def model(self, name: str) -> ModelConfig:
+        config = self.models.get(name)
+        if config is None:
+            raise ModelNotFound(f"unknown model {name!r}")
+        return config
+
+    async def infer(self, model: str, parse: Callable[[ModelConfig], InferRequest],
+                    started: float) -> tuple[InferRequest, Reply]:
+        """Parse, validate and run one request through Redis and a worker.
+
+        Raises the mapped :class:`ConveyorError` on any failure, after counting it.
+        """
+        if model not in self.models:
+            self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
+            raise ModelNotFound(f"unknown model {model!r}")
+        config = self.models[model]
+        try:
+            parsed = parse(config)
+            if not self.watch.model_served(model):
+                raise Unavailable(f"model {model!r} has no worker")
+            priority = self._priority(config, parsed)
+            now_ms = int(time.time() * 1000)
+            timeout_ms = float(config.queue.default_timeout_ms)
+            asked = parsed.parameters.get("timeout")
+            if asked is not None:
+                if not isinstance(asked, int | float) or asked < 0:
+                    raise InvalidInput("parameters.timeout must be a non-negative number of µs")
+                if asked > 0:
+                    timeout_ms = min(timeout_ms, asked / 1000.0)
+            request = Request(
+                id=self.dispatcher.new_id(),
+                reply=self.dispatcher.reply_key,
+                deadline_ms=now_ms + int(timeout_ms),
+                enq_ms=now_ms,
+                prio=priority,
+                inputs=parsed.inputs,
+                outputs=parsed.outputs,
+            )
+            reply = await self.dispatcher.submit(
+                self.keys.queue(model, priority), request, timeout_ms / 1000.0)
+            if not reply.ok:
+                raise from_code(reply.error_code, reply.error)
+        except ConveyorError as exc:
+            self._count(model, exc.code, started)
+            raise
+        self._count(model, "success", started)
+        self.metrics.queue.labels(model).observe(reply.queue_ms / 1000.0)
+        self.metrics.batch_size.labels(model).observe(reply.batch_rows)
+        return parsed, reply
+
+    def _priority(self, config: ModelConfig, parsed: InferRequest) -> int:
+        raw = parsed.parameters.get("priority", 0)
+        levels = config.queue.priority_levels
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= levels:
+            raise InvalidInput(f"parameters.priority must be an integer in 0..{levels} "
+                               f"(0 = the model's default), got {raw!r}")
+        return raw or config.queue.default_priority
+
+    def _count(self, model: str, outcome: str, started: float) -> None:
+        self.metrics.requests.labels(model, outcome).inc()
+        self.metrics.duration.labels(model).observe(time.perf_counter() - started)

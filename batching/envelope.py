@@ -1,0 +1,111 @@
+"""The request and reply envelopes that travel through Redis, as msgpack (never pickle).
+
+A request entry in a model stream has one field, ``d``: the packed :class:`Request`.
+A reply is one packed :class:`Reply` pushed onto the API process's reply list.
+Tensors travel as raw little-endian bytes with their datatype and shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from batching.datatypes import from_numpy, from_raw, to_raw
+
+FIELD = b"d"
+"""The one field of a request stream entry."""
+
+
+@dataclass(slots=True)
+class Tensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    raw: bytes
+
+    @classmethod
+    def from_array(cls, name: str, array: npt.NDArray[Any], datatype: str | None = None) -> Tensor:
+        return cls(name, datatype or from_numpy(array.dtype), tuple(array.shape), to_raw(array))
+
+    def array(self) -> npt.NDArray[Any]:
+        return from_raw(self.raw, self.datatype, self.shape)
+
+    def pack(self) -> list[Any]:
+        return [self.name, self.datatype, list(self.shape), self.raw]
+
+    @classmethod
+    def unpack(cls, item: list[Any]) -> Tensor:
+        return cls(item[0], item[1], tuple(item[2]), item[3])
+
+
+@dataclass(slots=True)
+class Request:
+    id: str
+    reply: str
+    deadline_ms: int
+    enq_ms: int
+    prio: int
+    inputs: list[Tensor]
+    outputs: list[str] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
+
+    def shape_key(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Requests may share a batch only when every non-batch dim agrees."""
+        return tuple((t.name, t.shape[1:]) for t in self.inputs)
+
+    def encode(self) -> bytes:
+        packed: bytes = msgpack.packb(
+            [self.id, self.reply, self.deadline_ms, self.enq_ms, self.prio,
+             [t.pack() for t in self.inputs], self.outputs, self.params],
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def decode(cls, data: bytes) -> Request:
+        rid, reply, deadline, enq, prio, inputs, outputs, params = msgpack.unpackb(data, raw=False)
+        return cls(rid, reply, deadline, enq, prio, [Tensor.unpack(t) for t in inputs],
+                   outputs, params)
+
+
+@dataclass(slots=True)
+class Reply:
+    """A worker's answer to one request: outputs, or an error code and message."""
+
+    id: str
+    outputs: list[Tensor] = field(default_factory=list)
+    error_code: str = ""
+    error: str = ""
+    batch_rows: int = 0
+    queue_ms: float = 0.0
+    exec_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error_code
+
+    def encode(self) -> bytes:
+        packed: bytes = msgpack.packb(
+            [self.id, [t.pack() for t in self.outputs], self.error_code, self.error,
+             self.batch_rows, self.queue_ms, self.exec_ms],
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def decode(cls, data: bytes) -> Reply:
+        rid, outputs, code, error, rows, queue_ms, exec_ms = msgpack.unpackb(data, raw=False)
+        return cls(rid, [Tensor.unpack(t) for t in outputs], code, error, rows, queue_ms, exec_ms)
+
+
+def split_rows(array: npt.NDArray[Any], counts: list[int]) -> list[npt.NDArray[Any]]:
+    """Split a batch output along axis 0 into one piece per request."""
+    return np.split(array, np.cumsum(counts[:-1])) if len(counts) > 1 else [array]

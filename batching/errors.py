@@ -1,0 +1,85 @@
+"""One error tree for the whole service, and the one table that maps it to HTTP and gRPC.
+
+Every error a client can see derives from :class:`ConveyorError`. The worker sends the
+error's ``code`` (a short string) back in the reply, and the API rebuilds the same type
+with :func:`from_code`, so HTTP and gRPC answers come from this table alone.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class ConveyorError(Exception):
+    """Base of every error conveyor reports to a client."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    grpc_status: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(ConveyorError):
+    """The request does not match the model's signature or the protocol."""
+
+    code = "invalid_input"
+    http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class ModelNotFound(ConveyorError):
+    code = "not_found"
+    http_status = 404
+    grpc_status = "NOT_FOUND"
+
+
+class Overloaded(ConveyorError):
+    code = "overloaded"
+    http_status = 429
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(ConveyorError):
+    """Redis is unreachable, or the model has no worker."""
+
+    code = "unavailable"
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ConveyorError):
+    code = "deadline_exceeded"
+    http_status = 504
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
+class ModelFailure(ConveyorError):
+    """The model raised while running a batch."""
+
+    code = "model_failure"
+    http_status = 500
+    grpc_status = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[ConveyorError]] = {
+    cls.code: cls
+    for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
+                DeadlineExceeded, ModelFailure)
+}
+
+
+def from_code(code: str, message: str) -> ConveyorError:
+    """Rebuild the error a worker reported by its code (unknown codes become 500s)."""
+    return _BY_CODE.get(code, ConveyorError)(message)
+
+
+def status_table() -> dict[str, tuple[int, str]]:
+    """code -> (HTTP status, gRPC status name): the table the docs print."""
+    return {code: (cls.http_status, cls.grpc_status) for code, cls in _BY_CODE.items()}

@@ -1,0 +1,26 @@
+"""Test model: doubles ``x`` and reports, per row, how many rows its batch had.
+
+If the environment names ECHO_LOG, the first column of every executed batch is appended
+to that file (one value per line), so tests can see exactly which rows ran.
+"""
+
+import os
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, config: dict, device: str) -> None:
+        self.log = os.environ.get("ECHO_LOG")
+        self.delay_s = float(config["parameters"].get("delay_ms", 0)) / 1000.0
+
+    def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = inputs["x"]
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.log:
+            with open(self.log, "a") as f:
+                f.writelines(f"{v:g}\n" for v in x[:, 0])
+        rows = np.full((x.shape[0], 1), x.shape[0], dtype=np.int64)
+        return {"y": x * 2, "batch_rows": rows}

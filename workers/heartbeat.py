@@ -1,0 +1,59 @@
+"""An inference process announces its state in the model's heartbeat hash, once a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import redis
+from redis.exceptions import RedisError
+
+from batching.keys import Keys
+
+
+class Heartbeat:
+    """Background thread writing ``consumer -> {state, device, pid, ts, ...}``."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, model: str, consumer: str,
+                 device: str, interval_s: float) -> None:
+        self._redis = client
+        self._key = keys.workers(model)
+        self._consumer = consumer
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._info: dict[str, Any] = {"state": "loading", "model": model, "device": device,
+                                      "pid": os.getpid(), "host": socket.gethostname(),
+                                      "consumer": consumer}
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def update(self, **info: Any) -> None:
+        self._info.update(info)
+        self.beat()
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and remove this consumer's entry."""
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s * 2)
+        try:
+            self._redis.hdel(self._key, self._consumer)
+        except RedisError:
+            pass
+
+    def beat(self) -> None:
+        try:
+            self._redis.hset(self._key, self._consumer,
+                             json.dumps({**self._info, "ts": time.time()}))
+        except RedisError:
+            pass  # Redis is down; the next beat after it returns re-announces us
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.beat()
