@@ -53,7 +53,7 @@ def write_repository(root: Path) -> None:
     for name, widths in LAYERS.items():
         model_dir = root / name
         model_dir.mkdir(parents=True, exist_ok=True)
-        torch.jit.script(build(name)).save(str(model_dir / "model.pt"))
+        torch.jit.save(torch.jit.script(build(name)), str(model_dir / "model.pt"))
         config = CONFIG_TEMPLATE.format(n_in=widths[0], n_out=widths[-1])
         (model_dir / "config.yaml").write_text(config)
 

@@ -51,7 +51,5 @@ def infer(model_name: str, request: InferRequest) -> InferResponse:
     x = torch.tensor(tensor.data, dtype=torch.float32).reshape(tensor.shape)
     with torch.inference_mode():
         y = model(x)
-    output = InferOutput(
-        name="OUTPUT0", datatype="FP32", shape=list(y.shape), data=y.flatten().tolist()
-    )
+    output = InferOutput(name="OUTPUT0", datatype="FP32", shape=list(y.shape), data=y.flatten().tolist())
     return InferResponse(model_name=model_name, outputs=[output])

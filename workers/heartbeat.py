@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -42,17 +43,14 @@ class Heartbeat:
         """Stop beating and remove this consumer's entry."""
         self._stop.set()
         self._thread.join(timeout=self._interval_s * 2)
-        try:
+        with contextlib.suppress(RedisError):
             self._redis.hdel(self._key, self._consumer)
-        except RedisError:
-            pass
 
     def beat(self) -> None:
-        try:
+        # While Redis is down beats are lost; the first one after it returns re-announces us.
+        with contextlib.suppress(RedisError):
             self._redis.hset(self._key, self._consumer,
                              json.dumps({**self._info, "ts": time.time()}))
-        except RedisError:
-            pass  # Redis is down; the next beat after it returns re-announces us
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

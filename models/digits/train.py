@@ -32,7 +32,8 @@ class DigitsMLP(nn.Module):
         )
 
     def logits(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.net(pixels / 16.0)
+        logits: torch.Tensor = self.net(pixels / 16.0)
+        return logits
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.logits(pixels), dim=1)
@@ -46,7 +47,7 @@ def train(x: np.ndarray, y: np.ndarray) -> DigitsMLP:
     generator = torch.Generator().manual_seed(SEED)
     model.train()
     for _ in range(EPOCHS):
-        for idx in torch.randperm(len(xt), generator=generator).split(BATCH_SIZE):
+        for idx in torch.split(torch.randperm(len(xt), generator=generator), BATCH_SIZE):
             optimizer.zero_grad()
             loss_fn(model.logits(xt[idx]), yt[idx]).backward()
             optimizer.step()
@@ -62,9 +63,7 @@ def main() -> None:
     digits = load_digits()
     x = digits.data.astype(np.float32)
     y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, stratify=y, random_state=SEED
-    )
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, stratify=y, random_state=SEED)
 
     model = train(x_train, y_train)
     with torch.inference_mode():
@@ -74,7 +73,7 @@ def main() -> None:
     if accuracy < 0.95:
         raise SystemExit("accuracy below 0.95; not exporting")
 
-    torch.jit.script(model).save(str(HERE / "model.pt"))
+    torch.jit.save(torch.jit.script(model), str(HERE / "model.pt"))
     np.savez_compressed(HERE / "holdout.npz", X=x_test, y=y_test)
     print(f"wrote {HERE / 'model.pt'} and {HERE / 'holdout.npz'}")
 

@@ -17,10 +17,10 @@ class Model:
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = inputs["x"]
-        if self.delay_s:
-            time.sleep(self.delay_s)
         if self.log:
             with open(self.log, "a") as f:
                 f.writelines(f"{v:g}\n" for v in x[:, 0])
+        if self.delay_s:
+            time.sleep(self.delay_s)
         rows = np.full((x.shape[0], 1), x.shape[0], dtype=np.int64)
         return {"y": x * 2, "batch_rows": rows}

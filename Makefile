@@ -1,0 +1,34 @@
+# The two commands of the README: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: run test check chaos bench deps clean
+
+$(VENV)/.installed: pyproject.toml
+	@command -v redis-server >/dev/null || $(MAKE) deps
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+deps:  ## Debian packages: redis-server (wrk for the benchmark)
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -yq redis-server wrk; \
+	else sudo apt-get update -q && sudo apt-get install -yq redis-server wrk; fi
+
+run: $(VENV)/.installed
+	$(VENV)/bin/conveyor run
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: $(VENV)/.installed
+	@command -v wrk >/dev/null || $(MAKE) deps
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

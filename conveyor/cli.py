@@ -1,0 +1,22 @@
+"""The ``conveyor`` console script."""
+
+from __future__ import annotations
+
+import argparse
+
+from conveyor import launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="start Redis (if needed), the API, a worker and Flower")
+    run.add_argument("--host", default="0.0.0.0", help="address the HTTP API binds")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return launcher.run(args.host)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The batch former and the fixed-window policy, with an injected clock."""
+
+import numpy as np
+
+from batching.envelope import Request, Tensor
+from batching.former import BatchFormer, Entry
+from batching.policy import FixedWindow
+
+NOW = 1_000.0
+
+
+def entry(n: int, rows: int = 1, prio: int = 2, width: int = 4, seen: float = NOW,
+          deadline: float = NOW + 30) -> Entry:
+    x = np.full((rows, width), n, dtype=np.float32)
+    req = Request(str(n), "r", int(deadline * 1000), int(seen * 1000), prio,
+                  [Tensor.from_array("x", x)])
+    return Entry("s", f"{n}-0", req, seen)
+
+
+def former(max_rows: int = 8, delay_s: float = 0.0) -> BatchFormer:
+    return BatchFormer(FixedWindow(max_rows, delay_s), max_rows)
+
+
+def test_zero_window_dispatches_what_is_waiting_at_once() -> None:
+    f = former()
+    f.add([entry(1), entry(2)])
+    decision = f.decide(NOW)
+    assert decision.dispatch and decision.reason == "window"
+    assert [e.request.id for e in f.take(decision.reason).entries] == ["1", "2"]
+
+
+def test_window_waits_until_it_closes_then_dispatches() -> None:
+    f = former(delay_s=0.002)
+    f.add([entry(1)])
+    waiting = f.decide(NOW + 0.0005)
+    assert not waiting.dispatch and abs(waiting.wait_s - 0.0015) < 1e-9
+    assert f.decide(NOW + 0.002).reason == "window"
+
+
+def test_full_batch_dispatches_before_the_window() -> None:
+    f = former(max_rows=4, delay_s=1.0)
+    f.add([entry(1, rows=3), entry(2, rows=1)])
+    assert f.decide(NOW).reason == "full"
+
+
+def test_deadline_inside_the_window_dispatches_early() -> None:
+    f = former(delay_s=1.0)
+    f.add([entry(1, deadline=NOW + 0.5)])
+    assert f.decide(NOW).reason == "deadline"
+
+
+def test_rows_not_requests_bound_a_batch() -> None:
+    f = former(max_rows=4)
+    f.add([entry(1, rows=3), entry(2, rows=2), entry(3, rows=1)])
+    batch = f.take("full")
+    assert [e.request.id for e in batch.entries] == ["1"]
+    assert batch.rows == 3
+    assert [e.request.id for e in f.take("full").entries] == ["2", "3"]
+
+
+def test_mixed_row_counts_stack_and_split_back() -> None:
+    f = former()
+    f.add([entry(1, rows=1), entry(2, rows=3), entry(3, rows=2)])
+    batch = f.take("window")
+    stacked = batch.stacked_inputs()["x"]
+    assert stacked.shape == (6, 4)
+    parts = batch.split({"y": stacked * 10})
+    assert [p["y"][:, 0].tolist() for p in parts] == [[10], [20, 20, 20], [30, 30]]
+
+
+def test_shapes_never_stack_oldest_group_first() -> None:
+    f = former()
+    f.add([entry(1, width=4), entry(2, width=5), entry(3, width=4)])
+    first = f.take("window")
+    assert [e.request.id for e in first.entries] == ["1", "3"]
+    assert [e.request.id for e in f.take("window").entries] == ["2"]
+
+
+def test_higher_priority_goes_first() -> None:
+    f = former()
+    f.add([entry(1, prio=3), entry(2, prio=1), entry(3, prio=3)])
+    assert [e.request.id for e in f.take("window").entries] == ["2", "1", "3"]
+
+
+def test_expired_entries_are_taken_out_and_never_batched() -> None:
+    f = former()
+    f.add([entry(1, deadline=NOW - 0.001), entry(2)])
+    assert [e.request.id for e in f.take_expired(NOW)] == ["1"]
+    assert [e.request.id for e in f.take("window").entries] == ["2"]
+    assert len(f) == 0
+
+
+def test_empty_former_never_dispatches() -> None:
+    assert not former().decide(NOW).dispatch

@@ -1,0 +1,133 @@
+"""The request path end to end: real redis-server, real API and Celery worker processes."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import Stack
+from tests.procs import wait_for
+
+
+def body(values: np.ndarray, **extra: object) -> dict:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(values.shape),
+                        "data": values.ravel().tolist()}], **extra}
+
+
+def infer(url: str, model: str, payload: dict, timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{url}/v2/models/{model}/infer", json=payload, timeout=timeout)
+
+
+def output(response: httpx.Response, name: str) -> np.ndarray:
+    out = next(o for o in response.json()["outputs"] if o["name"] == name)
+    return np.array(out["data"]).reshape(out["shape"])
+
+
+def test_concurrent_requests_are_batched_and_get_their_own_rows(echo_stack: Stack) -> None:
+    rows = [1 + i % 3 for i in range(48)]
+
+    def one(i: int) -> tuple[int, httpx.Response]:
+        x = np.full((rows[i], 4), i, dtype=np.float32)
+        return i, infer(echo_stack.url, "echo", body(x, id=f"req-{i}"))
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(48)))
+    batch_sizes = []
+    for i, response in results:
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == f"req-{i}"
+        np.testing.assert_array_equal(output(response, "y"), np.full((rows[i], 4), 2.0 * i))
+        batch_sizes.append(int(output(response, "batch_rows")[0, 0]))
+    # The model takes 20 ms per batch, so 16 concurrent clients pile up behind it.
+    assert max(batch_sizes) > max(rows)
+
+
+def test_requested_outputs_only(echo_stack: Stack) -> None:
+    response = infer(echo_stack.url, "echo", body(np.ones((1, 4), np.float32),
+                                                  outputs=[{"name": "batch_rows"}]))
+    assert [o["name"] for o in response.json()["outputs"]] == ["batch_rows"]
+
+
+@pytest.mark.parametrize("payload,status,message", [
+    ({"inputs": [{"name": "z", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}]},
+     400, "unknown input 'z'"),
+    ({"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 4], "data": [0] * 4}]},
+     400, "datatype INT32, expected FP32"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4], "data": [0] * 4}]},
+     400, "rank 1, expected rank 2"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]},
+     400, "dim 1 is 5, expected 4"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 3}]},
+     400, "3 elements of data do not fill shape"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": ["a"] * 4}]},
+     400, "input 'x': data is not FP32"),
+    ({"inputs": []}, 400, "non-empty list"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}],
+      "outputs": [{"name": "nope"}]}, 400, "unknown output 'nope'"),
+])
+def test_bad_input_gets_a_precise_400(echo_stack: Stack, payload: dict, status: int,
+                                      message: str) -> None:
+    response = infer(echo_stack.url, "echo", payload)
+    assert response.status_code == status
+    assert message in response.json()["error"]
+
+
+def test_malformed_json_is_400(echo_stack: Stack) -> None:
+    response = httpx.post(f"{echo_stack.url}/v2/models/echo/infer", content=b"{nope")
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]
+
+
+def test_unknown_model_is_404(echo_stack: Stack) -> None:
+    response = infer(echo_stack.url, "missing", body(np.ones((1, 4), np.float32)))
+    assert response.status_code == 404
+    assert response.json() == {"error": "unknown model 'missing'"}
+    assert httpx.get(f"{echo_stack.url}/v2/models/missing").status_code == 404
+
+
+def test_metadata_describes_the_signature(echo_stack: Stack) -> None:
+    meta = httpx.get(f"{echo_stack.url}/v2/models/echo").json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert httpx.get(f"{echo_stack.url}/v2").json()["name"] == "conveyor"
+
+
+def executed(stack: Stack) -> list[float]:
+    path = Path(stack.extra_env["ECHO_LOG"])
+    return [float(v) for v in path.read_text().split()] if path.exists() else []
+
+
+def test_expired_requests_get_504_and_never_run(echo_stack: Stack) -> None:
+    """The slow model takes 600 ms a batch; a 100 ms request queued behind it expires."""
+    marker_busy, marker_late = 7001.0, 7002.0
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(infer, echo_stack.url, "slow",
+                           body(np.full((1, 4), marker_busy, np.float32)))
+        wait_for(lambda: marker_busy in executed(echo_stack), 10, "the busy batch to start")
+        started = time.monotonic()
+        late = infer(echo_stack.url, "slow", body(np.full((1, 4), marker_late, np.float32),
+                                                  parameters={"timeout": 100_000}))
+        waited = time.monotonic() - started
+        assert busy.result().status_code == 200
+    assert late.status_code == 504, late.text
+    assert "deadline" in late.json()["error"]
+    assert waited < 0.5
+    # Let the worker reach the expired entry: it must answer it without running it.
+    follow = infer(echo_stack.url, "slow", body(np.full((1, 4), 7003.0, np.float32)))
+    assert follow.status_code == 200
+    assert marker_late not in executed(echo_stack)
+    queue = echo_stack.redis().xlen(f"{echo_stack.prefix}:{{slow}}:q:2")
+    assert queue == 0
+
+
+def test_metrics_count_outcomes_and_batch_sizes(echo_stack: Stack) -> None:
+    infer(echo_stack.url, "echo", body(np.ones((1, 4), np.float32)))
+    text = httpx.get(f"{echo_stack.url}/metrics").text
+    assert 'conveyor_requests_total{model="echo",outcome="success"}' in text
+    assert 'conveyor_requests_total{model="echo",outcome="invalid_input"}' in text
+    assert "conveyor_request_duration_seconds_bucket" in text
+    assert 'conveyor_queue_duration_seconds_count{model="echo"}' in text
+    assert 'conveyor_batch_size_bucket{le="1.0",model="echo"}' in text

@@ -1,0 +1,45 @@
+import pytest
+
+from batching.config import ConfigError, ModelConfig
+from batching.errors import InvalidInput
+from batching.signature import check_inputs
+
+CONFIG = ModelConfig.from_dict("m", {
+    "backend": "python", "max_batch_size": 8,
+    "inputs": [{"name": "a", "datatype": "FP32", "shape": [-1, 3]},
+               {"name": "b", "datatype": "INT64", "shape": [-1, -1]}],
+})
+
+
+def test_valid_request_returns_rows() -> None:
+    assert check_inputs(CONFIG, [("a", "FP32", (2, 3)), ("b", "INT64", (2, 7))]) == 2
+
+
+@pytest.mark.parametrize("given,message", [
+    ([("a", "FP32", (1, 3)), ("c", "INT64", (1, 1))], "unknown input 'c'"),
+    ([("a", "FP32", (1, 3))], "missing input b INT64"),
+    ([("a", "FP64", (1, 3)), ("b", "INT64", (1, 1))], "input 'a': datatype FP64, expected FP32"),
+    ([("a", "FP32", (1, 3, 1)), ("b", "INT64", (1, 1))], "rank 3, expected rank 2"),
+    ([("a", "FP32", (1, 4)), ("b", "INT64", (1, 1))], "input 'a': dim 1 is 4, expected 3"),
+    ([("a", "FP32", (2, 3)), ("b", "INT64", (1, 1))], "has 1 rows but 'a' has 2"),
+    ([("a", "FP32", (9, 3)), ("b", "INT64", (9, 1))], "at most 8"),
+    ([("a", "FP32", (0, 3)), ("b", "INT64", (0, 1))], "at least 1"),
+])
+def test_invalid_requests_name_the_input_and_expectation(given: list, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        check_inputs(CONFIG, given)
+
+
+def test_config_rejects_unknown_keys_and_bad_backend() -> None:
+    with pytest.raises(ConfigError, match="unknown keys"):
+        ModelConfig.from_dict("m", {"backend": "python", "max_batch": 3})
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        ModelConfig.from_dict("m", {})
+
+
+def test_config_defaults_follow_the_design() -> None:
+    config = ModelConfig.from_dict("m", {}, backend="onnx")
+    assert config.batching.max_queue_delay_us == 0
+    assert config.queue.priority_levels == 3 and config.queue.default_priority == 2
+    assert config.queue.default_timeout_ms == 30000
+    assert config.instances[0].device == "cpu"

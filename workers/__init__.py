@@ -1,0 +1,1 @@
+"""Worker processes: model backends and the inference loop."""

@@ -1,0 +1,228 @@
+"""Model backends: load one model's artifact and run a batch of numpy arrays through it.
+
+Every backend answers ``predict(inputs) -> outputs`` with arrays whose axis 0 is the batch
+rows. torch and onnxruntime are imported only by the loader that needs them, so a
+``python`` model never pays for (or requires) either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from batching.config import BACKENDS, ModelConfig
+from batching.errors import ModelFailure
+
+log = logging.getLogger(__name__)
+
+Arrays = dict[str, npt.NDArray[Any]]
+
+_OOM_TEXT = ("failed to allocate memory", "out of memory")
+_FATAL_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure",
+               "cuda error: an illegal instruction", "misaligned address")
+_module_ids = itertools.count()
+
+
+class LoadedModel(Protocol):
+    def predict(self, inputs: Arrays) -> Arrays: ...
+
+
+def load_model(config: ModelConfig, folder: Path, device: str) -> LoadedModel:
+    """Load the artifact of ``config.backend`` from ``folder`` onto ``device`` ("cpu", "cuda:N")."""
+    loader = _LOADERS[config.backend]
+    return loader(config, folder / BACKENDS[config.backend], device)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a torch or onnxruntime allocation failure (anywhere in the exception chain)."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    for item in _chain(exc):
+        if isinstance(oom_type, type) and isinstance(item, oom_type):
+            return True
+        if type(item).__module__.startswith("onnxruntime") and _mentions(item, _OOM_TEXT):
+            return True
+    return False
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """True for a CUDA error that poisons the context: the process must restart to recover."""
+    return any(_mentions(item, _FATAL_TEXT) for item in _chain(exc))
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _mentions(exc: BaseException, needles: tuple[str, ...]) -> bool:
+    text = str(exc).lower()
+    return any(needle in text for needle in needles)
+
+
+def _checked(config: ModelConfig, outputs: Arrays, inputs: Arrays) -> Arrays:
+    """Fail clearly unless every declared output is present and each has one row per input row."""
+    missing = [spec.name for spec in config.outputs if spec.name not in outputs]
+    if missing:
+        raise ModelFailure(f"{config.name}: model returned no {missing} (got {sorted(outputs)})")
+    rows = next((array.shape[0] for array in inputs.values() if array.ndim), None)
+    for name, array in outputs.items():
+        if rows is not None and (array.ndim == 0 or array.shape[0] != rows):
+            raise ModelFailure(f"{config.name}: output {name} has shape {list(array.shape)}, "
+                               f"but axis 0 must hold the batch's {rows} rows")
+    return outputs
+
+
+class _TorchModel:
+    """TorchScript or torch.export module: inputs positional, outputs named from the config."""
+
+    def __init__(self, config: ModelConfig, module: Callable[..., Any], device: str) -> None:
+        self._config = config
+        self._module = module
+        self._device = device
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        import torch
+
+        names = [spec.name for spec in self._config.inputs] or list(inputs)
+        with torch.inference_mode():
+            # from_numpy needs a writable, C-ordered array; np.frombuffer views are read-only.
+            args = [torch.from_numpy(np.require(inputs[name], requirements=["C", "W"]))
+                    .to(self._device) for name in names]
+            result = self._module(*args)
+        outputs = {name: self._to_numpy(name, value) for name, value in self._name(result).items()}
+        return _checked(self._config, outputs, inputs)
+
+    def _name(self, result: Any) -> dict[str, Any]:
+        if isinstance(result, Mapping):
+            if not self._config.outputs:
+                return {str(name): value for name, value in result.items()}
+            return {spec.name: result[spec.name] for spec in self._config.outputs
+                    if spec.name in result}
+        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        names = ([spec.name for spec in self._config.outputs]
+                 or [f"OUTPUT{i}" for i in range(len(values))])
+        if len(values) != len(names):
+            raise ModelFailure(f"{self._config.name}: model returned {len(values)} outputs, "
+                               f"config declares {len(names)} ({names})")
+        return dict(zip(names, values, strict=True))
+
+    def _to_numpy(self, name: str, value: Any) -> npt.NDArray[Any]:
+        import torch
+
+        if not isinstance(value, torch.Tensor):
+            raise ModelFailure(f"{self._config.name}: output {name} is a {type(value).__name__}, "
+                               "not a tensor")
+        return value.cpu().numpy()
+
+
+class _OnnxModel:
+    """onnxruntime session: inputs fed by name, outputs named by the graph."""
+
+    def __init__(self, config: ModelConfig, session: Any) -> None:
+        self._config = config
+        self._session = session
+        self._names = [output.name for output in session.get_outputs()]
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        results = self._session.run(self._names, inputs)
+        return _checked(self._config, dict(zip(self._names, results, strict=True)), inputs)
+
+
+class _PythonModel:
+    """A ``model.py`` whose ``Model.predict`` maps input names to arrays."""
+
+    def __init__(self, config: ModelConfig, model: Any) -> None:
+        self._config = config
+        self._model = model
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        result = self._model.predict(inputs)
+        if not isinstance(result, Mapping):
+            raise ModelFailure(f"{self._config.name}: Model.predict returned a "
+                               f"{type(result).__name__}, expected a dict of arrays")
+        outputs = {str(name): np.asarray(value) for name, value in result.items()}
+        return _checked(self._config, outputs, inputs)
+
+
+def _load_torchscript(config: ModelConfig, path: Path, device: str) -> LoadedModel:
+    import torch
+
+    with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; we still serve it
+        warnings.filterwarnings("ignore", r"`torch\.jit\.load` is deprecated", DeprecationWarning)
+        module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+    module.eval()
+    return _TorchModel(config, module, device)
+
+
+def _load_torch_export(config: ModelConfig, path: Path, device: str) -> LoadedModel:
+    import torch
+    from torch.export.passes import move_to_device_pass
+
+    # move_to_device_pass also rewrites device constants baked into the graph, which
+    # GraphModule.to() would miss. The exported module refuses .eval(); the graph keeps
+    # whichever mode it was exported in.
+    program = move_to_device_pass(torch.export.load(str(path)), device)
+    return _TorchModel(config, program.module(), device)
+
+
+def _load_onnx(config: ModelConfig, path: Path, device: str) -> LoadedModel:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if "threads" in config.parameters:
+        options.intra_op_num_threads = int(config.parameters["threads"])
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            device_id = int(device.partition(":")[2] or 0)
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": device_id}))
+        else:
+            log.warning("%s: onnxruntime has no CUDA provider; running on CPU", config.name)
+    session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    return _OnnxModel(config, session)
+
+
+def _load_python(config: ModelConfig, path: Path, device: str) -> LoadedModel:
+    module_name = f"conveyor_model_{next(_module_ids)}_{config.name}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFailure(f"{config.name}: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    folder = str(path.parent)
+    sys.path.insert(0, folder)  # so model.py may import its siblings
+    try:
+        spec.loader.exec_module(module)
+        model_class = getattr(module, "Model", None)
+        if model_class is None:
+            raise ModelFailure(f"{config.name}: {path.name} defines no class Model")
+        model = model_class(dataclasses.asdict(config), device)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    finally:
+        sys.path.remove(folder)
+    return _PythonModel(config, model)
+
+
+_LOADERS: dict[str, Callable[[ModelConfig, Path, str], LoadedModel]] = {
+    "torchscript": _load_torchscript,
+    "torch_export": _load_torch_export,
+    "onnx": _load_onnx,
+    "python": _load_python,
+}
