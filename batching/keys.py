@@ -31,6 +31,14 @@ class Keys:
     def dead_letter(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dlq"
 
+    def stats(self, model: str) -> str:
+        """Hash of counters the workers add to with every batch (Triton's statistics)."""
+        return f"{self.prefix}:{{{model}}}:stats"
+
+    def repository(self) -> str:
+        """Hash: model -> JSON {state: loaded|unloaded, ts}, set by repository load/unload."""
+        return f"{self.prefix}:repository"
+
     def workers(self, model: str) -> str:
         """Hash: consumer name -> heartbeat JSON."""
         return f"{self.prefix}:{{{model}}}:workers"

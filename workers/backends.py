@@ -159,9 +159,18 @@ class _PythonModel:
         return _checked(self._config, outputs, inputs)
 
 
+def _torch_threads(config: ModelConfig) -> None:
+    """``parameters.threads`` bounds torch's intra-op threads (a worker shares its cores)."""
+    import torch
+
+    if "threads" in config.parameters:
+        torch.set_num_threads(int(config.parameters["threads"]))
+
+
 def _load_torchscript(config: ModelConfig, path: Path, device: str) -> LoadedModel:
     import torch
 
+    _torch_threads(config)
     with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; we still serve it
         warnings.filterwarnings("ignore", r"`torch\.jit\.load` is deprecated", DeprecationWarning)
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
@@ -173,6 +182,7 @@ def _load_torch_export(config: ModelConfig, path: Path, device: str) -> LoadedMo
     import torch
     from torch.export.passes import move_to_device_pass
 
+    _torch_threads(config)
     # move_to_device_pass also rewrites device constants baked into the graph, which
     # GraphModule.to() would miss. The exported module refuses .eval(); the graph keeps
     # whichever mode it was exported in.

@@ -86,19 +86,22 @@ class InferenceLoop:
         except ConveyorError as exc:
             self._answer_error(batch.entries, exc)
             return
-        exec_ms = (time.time() - started) * 1000.0
+        finished = time.time()
+        exec_ms = (finished - started) * 1000.0
         rows = batch.rows
         self.batches += 1
         self.rows += rows
         replies = []
+        queue_ns = 0
         for entry, own in zip(batch.entries, batch.split(outputs), strict=True):
             wanted = entry.request.outputs
             tensors = [Tensor.from_array(name, arr, self._out_types.get(name))
                        for name, arr in own.items() if not wanted or name in wanted]
-            replies.append((entry, Reply(
-                entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
-                queue_ms=max(0.0, started * 1000.0 - entry.request.enq_ms))))
-        self.streams.answer(replies)
+            queue_ms = max(0.0, started * 1000.0 - entry.request.enq_ms)
+            queue_ns += int(queue_ms * 1e6)
+            replies.append((entry, Reply(entry.request.id, tensors, batch_rows=rows,
+                                         exec_ms=exec_ms, queue_ms=queue_ms)))
+        self.streams.answer(replies, _batch_counters(batch, started, finished, queue_ns))
 
     def _predict(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
         try:
@@ -121,8 +124,32 @@ class InferenceLoop:
         return outputs
 
     def _answer_error(self, entries: list[Entry], exc: ConveyorError) -> None:
-        self.streams.answer((e, Reply(e.request.id, error_code=exc.code, error=exc.message))
-                            for e in entries)
+        now_ms = time.time() * 1000.0
+        fail_ns = sum(int(max(0.0, now_ms - e.request.enq_ms) * 1e6) for e in entries)
+        self.streams.answer(
+            [(e, Reply(e.request.id, error_code=exc.code, error=exc.message)) for e in entries],
+            {"fail_count": len(entries), "fail_ns": fail_ns})
+
+
+def _batch_counters(batch: Batch, started: float, finished: float,
+                    queue_ns: int) -> dict[str, int]:
+    """Triton-style statistics of one executed batch (see api/ stats)."""
+    requests = len(batch.entries)
+    exec_ns = int((finished - started) * 1e9)
+    success_ns = sum(int(max(0.0, finished * 1000.0 - e.request.enq_ms) * 1e6)
+                     for e in batch.entries)
+    return {
+        "inference_count": batch.rows,
+        "execution_count": 1,
+        "success_count": requests,
+        "success_ns": success_ns,
+        "queue_count": requests,
+        "queue_ns": queue_ns,
+        "compute_infer_count": requests,
+        "compute_infer_ns": exec_ns * requests,
+        f"batch:{batch.rows}:count": 1,
+        f"batch:{batch.rows}:ns": exec_ns,
+    }
 
 
 def serve(model_name: str, device: str, index: int) -> None:
@@ -140,7 +167,7 @@ def serve(model_name: str, device: str, index: int) -> None:
                           settings.heartbeat_interval_s)
     heartbeat.start()
     streams = ModelStreams(client, keys.queues(model_name, config.queue.priority_levels),
-                           consumer)
+                           keys.stats(model_name), consumer)
     loop = InferenceLoop(config, load_model(config, folder, device), streams)
 
     def stop(_signum: int, _frame: object) -> None:

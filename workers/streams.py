@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import redis
 from redis.exceptions import ResponseError
@@ -26,9 +26,11 @@ REPLY_TTL_S = 300
 
 
 class ModelStreams:
-    def __init__(self, client: redis.Redis, streams: list[str], consumer: str) -> None:
+    def __init__(self, client: redis.Redis, streams: list[str], stats_key: str,
+                 consumer: str) -> None:
         self._redis = client
         self.streams = streams
+        self.stats_key = stats_key
         self.consumer = consumer
 
     def ensure_groups(self) -> None:
@@ -66,8 +68,12 @@ class ModelStreams:
                 entries.append(Entry(name, entry_id, request, now))
         return entries
 
-    def answer(self, answered: Iterable[tuple[Entry, Reply]]) -> None:
-        """Send every reply, then XACK and XDEL the entries, in one round trip."""
+    def answer(self, answered: Iterable[tuple[Entry, Reply]],
+               counters: Mapping[str, int] | None = None) -> None:
+        """Send every reply, add ``counters`` to the stats hash, XACK and XDEL the entries.
+
+        One round trip for the whole batch.
+        """
         pipe = self._redis.pipeline(transaction=False)
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str]] = defaultdict(list)
@@ -80,6 +86,8 @@ class ModelStreams:
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+        for name, amount in (counters or {}).items():
+            pipe.hincrby(self.stats_key, name, amount)
         pipe.execute()
 
     def _drop(self, stream: str, entry_id: str) -> None:
