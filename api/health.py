@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +29,14 @@ FORGET_AFTER_S = 60.0
 class ModelWorkers:
     ready: int = 0
     alive: int = 0
-    """Fresh heartbeats in any state (loading, ready, restarting...)."""
+    """Fresh heartbeats of processes that will serve: loading, ready or restarting."""
     states: list[dict[str, Any]] = field(default_factory=list)
 
 
 class WorkerWatch:
-    def __init__(self, dispatcher: Dispatcher, keys: Keys, models: list[str],
+    def __init__(self, dispatcher: Dispatcher, keys: Keys, models: Collection[str],
                  interval_s: float, stale_s: float) -> None:
+        """``models`` is read live (the API's registry): loads and unloads show up here."""
         self._dispatcher = dispatcher
         self._keys = keys
         self._models = models
@@ -69,9 +71,10 @@ class WorkerWatch:
 
     async def refresh(self) -> None:
         redis = self._dispatcher.redis
+        models = list(self._models)
         try:
             pipe = redis.pipeline(transaction=False)
-            for model in self._models:
+            for model in models:
                 pipe.hgetall(self._keys.workers(model))
             results = await pipe.execute()
         except (RedisError, OSError) as exc:
@@ -80,7 +83,7 @@ class WorkerWatch:
             return
         now = time.time()
         stale: list[tuple[str, bytes]] = []
-        for model, raw in zip(self._models, results, strict=True):
+        for model, raw in zip(models, results, strict=True):
             workers = ModelWorkers()
             for consumer, beat in raw.items():
                 state = json.loads(beat)
@@ -89,7 +92,7 @@ class WorkerWatch:
                     stale.append((model, consumer))
                 if age > self._stale_s:
                     continue
-                workers.alive += 1
+                workers.alive += state.get("state") != "failed"
                 workers.ready += state.get("state") == "ready"
                 workers.states.append(state)
             self.view[model] = workers

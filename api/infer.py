@@ -3,6 +3,11 @@
 ``POST /v2/models/{m}[/versions/{v}]/infer`` is the hot path: it skips FastAPI's routing,
 dependency solving and pydantic, which cost more than the whole Redis round trip
 (DESIGN section 10). Every other request falls through to the FastAPI app.
+
+It speaks JSON and the binary tensor extension: ``Inference-Header-Content-Length``
+splits the body into a JSON header and raw tensors (``0``: the whole body is the raw
+data of the model's one input); gzip and deflate request bodies are accepted and the
+response is compressed when ``Accept-Encoding`` asks for it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from typing import Any
 
 import orjson
 
-from api.kserve import parse_json, render_json
+from api.binary import compress, decompress, raw_input
+from api.kserve import InferRequest, parse_header, render
 from api.service import InferenceService
-from batching.errors import ConveyorError, Overloaded
+from batching.config import ModelConfig
+from batching.errors import ConveyorError, InvalidInput, Overloaded
+from batching.signature import check_inputs
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -24,8 +32,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/[^/]+)?/infer$")
-JSON_HEADERS = [(b"content-type", b"application/json")]
+INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
+JSON_TYPE = b"application/json"
+BINARY_TYPE = b"application/octet-stream"
+HEADER_LENGTH = b"inference-header-content-length"
 
 
 class InferRoute:
@@ -37,24 +47,59 @@ class InferRoute:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = INFER_PATH.match(scope["path"])
             if match:
-                await self._infer(match.group(1), receive, send)
+                await self._infer(match.group(1), match.group(2) or "", scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    async def _infer(self, model: str, receive: Receive, send: Send) -> None:
+    async def _infer(self, model: str, version: str, scope: Scope, receive: Receive,
+                     send: Send) -> None:
         started = time.perf_counter()
+        headers: dict[bytes, bytes] = dict(scope["headers"])
         body = await _read_body(receive)
+        header_length = headers.get(HEADER_LENGTH)
+        protocol = "http_json" if header_length is None else "http_binary"
+
+        def parse(config: ModelConfig) -> InferRequest:
+            return _parse(decompress(body, headers.get(b"content-encoding", b"").decode("latin-1")),
+                          header_length, config)
+
         try:
-            parsed, reply = await self.service.infer(
-                model, lambda config: parse_json(body, config), started)
+            parsed, reply = await self.service.infer(model, parse, started, protocol, version)
         except ConveyorError as exc:
-            headers = list(JSON_HEADERS)
+            extra = []
             if isinstance(exc, Overloaded):
-                headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-            await _respond(send, exc.http_status, orjson.dumps({"error": exc.message}), headers)
+                extra.append((b"retry-after", str(exc.retry_after_s).encode()))
+            await _respond(send, exc.http_status, orjson.dumps({"error": exc.message}),
+                           [(b"content-type", JSON_TYPE), *extra])
             return
-        await _respond(send, 200, render_json(model, parsed.id, reply.outputs, parsed.outputs),
-                       JSON_HEADERS)
+        content, json_length = render(model, parsed, reply.outputs)
+        out = [(b"content-type", JSON_TYPE if json_length is None else BINARY_TYPE)]
+        if json_length is not None:
+            out.append((HEADER_LENGTH, str(json_length).encode()))
+        accept = headers.get(b"accept-encoding")
+        if accept:
+            content, encoding = compress(content, accept.decode("latin-1"))
+            if encoding:
+                out.append((b"content-encoding", encoding.encode()))
+        await _respond(send, 200, content, out)
+
+
+def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> InferRequest:
+    if header_length is None:
+        return parse_header(body, memoryview(b""), config)
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise InvalidInput("Inference-Header-Content-Length must be an integer") from None
+    if length == 0:
+        tensor = raw_input(body, config)
+        rows = check_inputs(config, [(tensor.name, tensor.datatype, tensor.shape)])
+        return InferRequest(id=None, inputs=[tensor], rows=rows, binary_default=True)
+    if not 0 < length <= len(body):
+        raise InvalidInput(f"Inference-Header-Content-Length {length} does not fit a body of "
+                           f"{len(body)} bytes")
+    view = memoryview(body)
+    return parse_header(view[:length], view[length:], config)
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -1,4 +1,11 @@
-"""KServe v2 JSON bodies <-> tensors. No pydantic here: this is the infer hot path."""
+"""KServe v2 inference bodies over HTTP <-> tensors. No pydantic here: this is the infer hot path.
+
+A request body is a JSON header, optionally followed by raw tensors (the binary tensor
+extension, see :mod:`api.binary`): an input carries either ``data`` (JSON) or
+``parameters.binary_data_size`` (its bytes come next in the body, in input order).
+Outputs come back as JSON ``data`` or, when the request asks for it, as raw bytes after
+the JSON header, rendered straight from the reply's raw tensors.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from api.binary import tensor_from_buffer
 from batching.config import ModelConfig
 from batching.datatypes import to_numpy
 from batching.envelope import Tensor
@@ -17,16 +25,33 @@ from batching.signature import check_inputs
 
 @dataclass(slots=True)
 class InferRequest:
+    """A parsed request of any protocol, validated against the model's signature."""
+
     id: str | None
     inputs: list[Tensor]
     rows: int
     outputs: list[str] = field(default_factory=list)
+    """Output names asked for; empty means every output."""
     parameters: dict[str, Any] = field(default_factory=dict)
+    binary_default: bool = False
+    """HTTP: render outputs as binary unless an output says otherwise (``binary_data_output``)."""
+    binary_outputs: dict[str, bool] = field(default_factory=dict)
+    """HTTP: per-output ``binary_data`` overrides."""
+
+    def binary(self, output: str) -> bool:
+        return self.binary_outputs.get(output, self.binary_default)
 
 
 def parse_json(body: bytes, config: ModelConfig) -> InferRequest:
+    """A request whose body is one JSON document (no binary tensors)."""
+    return parse_header(body, memoryview(b""), config)
+
+
+def parse_header(header: bytes | memoryview, binary: memoryview,
+                 config: ModelConfig) -> InferRequest:
+    """A JSON header and the binary tensor section that followed it (possibly empty)."""
     try:
-        doc = orjson.loads(body)
+        doc = orjson.loads(header)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
@@ -35,23 +60,39 @@ def parse_json(body: bytes, config: ModelConfig) -> InferRequest:
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
     heads = [_head(i, item) for i, item in enumerate(raw_inputs)]
-    rows = check_inputs(config, heads)
-    tensors = [_tensor(name, datatype, shape, item["data"])
-               for (name, datatype, shape), item in zip(heads, raw_inputs, strict=True)]
+    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _ in heads])
+    tensors = []
+    offset = 0
+    for (name, datatype, shape, size), item in zip(heads, raw_inputs, strict=True):
+        if size is None:
+            tensors.append(_json_tensor(name, datatype, shape, item["data"]))
+            continue
+        if offset + size > len(binary):
+            raise InvalidInput(f"input {name!r}: binary_data_size {size} runs past the end of "
+                               f"the body ({len(binary) - offset} bytes left)")
+        tensors.append(tensor_from_buffer(name, datatype, shape, binary[offset:offset + size]))
+        offset += size
+    if offset != len(binary):
+        raise InvalidInput(f"{len(binary) - offset} bytes of binary data follow the inputs "
+                           "that no input's binary_data_size accounts for")
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
+    names, flags = _wanted_outputs(doc.get("outputs"))
     rid = doc.get("id")
     return InferRequest(
         id=str(rid) if rid is not None else None,
         inputs=tensors,
         rows=rows,
-        outputs=_wanted_outputs(doc.get("outputs"), config),
+        outputs=check_outputs(names, config),
         parameters=params,
+        binary_default=params.get("binary_data_output") is True,
+        binary_outputs=flags,
     )
 
 
-def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...]]:
+def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]:
+    """(name, datatype, shape, binary_data_size or None when the data is JSON)."""
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
     name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
@@ -62,18 +103,27 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...]]:
     to_numpy(datatype)
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
-    if "data" not in item:
+    params = item.get("parameters") or {}
+    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
+        if "data" in item:
+            raise InvalidInput(f"input {name!r} has both 'data' and binary_data_size")
+    elif "data" not in item:
         raise InvalidInput(f"input {name!r}: 'data' is missing")
-    return name, datatype, tuple(shape)
+    return name, datatype, tuple(shape), size
 
 
-def _tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Tensor:
+def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Tensor:
     count = int(np.prod(shape, dtype=np.int64))
     try:
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=np.object_).reshape(-1)
             array = np.array([v.encode() if isinstance(v, str) else v for v in flat],
                              dtype=np.object_)
+            if not all(isinstance(v, bytes) for v in array):
+                raise TypeError("BYTES elements must be strings")
         else:
             array = np.asarray(data, dtype=to_numpy(datatype))
     except (ValueError, TypeError, OverflowError) as exc:
@@ -86,31 +136,57 @@ def _tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Tens
     return Tensor.from_array(name, array.reshape(shape), datatype)
 
 
-def _wanted_outputs(raw: Any, config: ModelConfig) -> list[str]:
+def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:
+    """Names of the requested outputs, and their ``binary_data`` flags where given."""
     if raw is None:
-        return []
+        return [], {}
     if not isinstance(raw, list):
         raise InvalidInput("'outputs' must be a list")
-    names = []
-    known = {o.name for o in config.outputs}
+    names: list[str] = []
+    flags: dict[str, bool] = {}
     for i, item in enumerate(raw):
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str):
             raise InvalidInput(f"outputs[{i}]: 'name' must be a string")
+        params = item.get("parameters") or {}
+        if isinstance(params, dict) and isinstance(params.get("binary_data"), bool):
+            flags[name] = params["binary_data"]
+        names.append(name)
+    return names, flags
+
+
+def check_outputs(names: list[str], config: ModelConfig) -> list[str]:
+    """Reject requested outputs the model does not declare (any name if it declares none)."""
+    known = {o.name for o in config.outputs}
+    for name in names:
         if known and name not in known:
             raise InvalidInput(f"unknown output {name!r}; model {config.name!r} has {sorted(known)}")
-        names.append(name)
     return names
 
 
-def render_json(model: str, request_id: str | None, outputs: list[Tensor],
-                wanted: list[str]) -> bytes:
-    chosen = [t for t in outputs if t.name in wanted] if wanted else outputs
-    body: dict[str, Any] = {"model_name": model, "model_version": "1",
-                            "outputs": [_json_output(t) for t in chosen]}
-    if request_id is not None:
-        body["id"] = request_id
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+def chosen_outputs(outputs: list[Tensor], wanted: list[str]) -> list[Tensor]:
+    return [t for t in outputs if t.name in wanted] if wanted else outputs
+
+
+def render(model: str, request: InferRequest, outputs: list[Tensor]) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary tensors follow it."""
+    blobs: list[bytes] = []
+    described: list[dict[str, Any]] = []
+    for tensor in chosen_outputs(outputs, request.outputs):
+        if request.binary(tensor.name):
+            described.append({"name": tensor.name, "datatype": tensor.datatype,
+                              "shape": list(tensor.shape),
+                              "parameters": {"binary_data_size": len(tensor.raw)}})
+            blobs.append(tensor.raw)
+        else:
+            described.append(_json_output(tensor))
+    body: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
+    if request.id is not None:
+        body["id"] = request.id
+    header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)
 
 
 def _json_output(tensor: Tensor) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The API process: ``uvicorn api.main:app`` (port 8000 by convention)."""
+"""The API process: ``uvicorn api.main:app`` (HTTP, port 8000 by convention), and gRPC on
+``settings.grpc_port`` (8001) served from the same event loop."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.dispatch import Dispatcher
+from api.grpc_server import GrpcEndpoint
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
 from api.metrics import ApiMetrics
+from api.repository import Repository
 from api.routes import VERSION, add_routes
 from api.service import InferenceService
 from batching.keys import Keys
@@ -27,23 +30,31 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     keys = Keys(settings.key_prefix)
     models = load_repository(settings.model_repository, settings.model_filter() or None)
     dispatcher = Dispatcher(settings.redis_url, keys)
-    watch = WorkerWatch(dispatcher, keys, sorted(models), settings.heartbeat_interval_s,
+    watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
                         settings.heartbeat_stale_s)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics())
+    repository = Repository(settings.model_repository, settings.model_filter() or None, models,
+                            service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s)
+    grpc_endpoint = GrpcEndpoint(service, repository, settings.grpc_port,
+                                 settings.heartbeat_interval_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await dispatcher.start()
+        await repository.start()
         await watch.start()
+        await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again (p99, DESIGN section 10)
         yield
+        await grpc_endpoint.close()
+        await repository.close()
         await watch.close()
         await dispatcher.close()
 
     app = FastAPI(title="conveyor", version=VERSION, lifespan=lifespan)
-    add_routes(app, service)
+    add_routes(app, service, repository)
     return InferRoute(app, service)
 
 

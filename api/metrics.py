@@ -1,12 +1,58 @@
-"""The API's Prometheus metrics (names fixed by DESIGN section 9)."""
+"""The API's Prometheus metrics (names fixed by DESIGN section 9; each one is in docs/metrics.md).
+
+Most are counted by this process as it answers. The rest describe state shared by every
+process and are read from Redis when ``/metrics`` is scraped (:meth:`ApiMetrics.refresh`):
+each model's stream lengths, and the totals the workers keep in its stats hash.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from batching.config import ModelConfig
+from batching.keys import Keys
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                    5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+PROTOCOLS = ("http_json", "http_binary", "grpc", "grpc_stream")
+"""Values of the ``protocol`` label: how an inference request reached the API."""
+WORKER_TOTALS = (
+    ("conveyor_oom_total", "oom_count", "Batches that ran out of device memory (then split)"),
+    ("conveyor_reclaimed_total", "reclaimed_count",
+     "Entries reclaimed from a dead consumer and delivered again"),
+    ("conveyor_dead_letter_total", "dead_letter_count",
+     "Requests moved to the dead-letter stream past the delivery limit"),
+)
+"""Counters the workers keep in each model's stats hash, exposed here per model."""
+
+
+class _SharedState(Collector):
+    """Yields the values :meth:`ApiMetrics.refresh` last read from Redis."""
+
+    def __init__(self) -> None:
+        self.depth: dict[tuple[str, str], int] = {}
+        self.totals: dict[str, dict[str, int]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "conveyor_queue_depth", "Entries in a model's request stream of one priority "
+            "(waiting or being executed), read from Redis at scrape time",
+            labels=["model", "priority"])
+        for (model, priority), value in sorted(self.depth.items()):
+            depth.add_metric([model, priority], value)
+        yield depth
+        for name, key, text in WORKER_TOTALS:
+            family = CounterMetricFamily(name.removesuffix("_total"), text, labels=["model"])
+            for model, counters in sorted(self.totals.items()):
+                family.add_metric([model], counters.get(key, 0))
+            yield family
 
 
 class ApiMetrics:
@@ -15,6 +61,9 @@ class ApiMetrics:
         self.requests = Counter(
             "conveyor_requests_total", "Inference requests answered, by outcome",
             ["model", "outcome"], registry=self.registry)
+        self.protocol_requests = Counter(
+            "conveyor_protocol_requests_total", "Inference requests received, by protocol "
+            "(http_json, http_binary, grpc, grpc_stream)", ["protocol"], registry=self.registry)
         self.duration = Histogram(
             "conveyor_request_duration_seconds", "Time from request received to answer sent",
             ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -24,3 +73,27 @@ class ApiMetrics:
         self.batch_size = Histogram(
             "conveyor_batch_size", "Rows in the batch each request ran in",
             ["model"], buckets=BATCH_BUCKETS, registry=self.registry)
+        for protocol in PROTOCOLS:
+            self.protocol_requests.labels(protocol)
+        self._shared = _SharedState()
+        self.registry.register(self._shared)
+
+    async def refresh(self, redis: Redis, keys: Keys, models: Mapping[str, ModelConfig]) -> None:
+        """Read stream lengths and worker totals (one round trip); keep the last on failure."""
+        names = sorted(models)
+        pipe = redis.pipeline(transaction=False)
+        streams = [(model, p) for model in names
+                   for p in range(1, models[model].queue.priority_levels + 1)]
+        for model, priority in streams:
+            pipe.xlen(keys.queue(model, priority))
+        for model in names:
+            pipe.hgetall(keys.stats(model))
+        try:
+            results = await pipe.execute()
+        except (RedisError, OSError):
+            return
+        self._shared.depth = {(model, str(p)): int(n)
+                              for (model, p), n in zip(streams, results, strict=False)}
+        self._shared.totals = {
+            model: {k.decode(): int(v) for k, v in raw.items()}
+            for model, raw in zip(names, results[len(streams):], strict=True)}

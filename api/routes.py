@@ -1,23 +1,37 @@
-"""The FastAPI app: every route except the infer hot path (see :mod:`api.infer`)."""
+"""The FastAPI app: every route except the infer hot path (see :mod:`api.infer`).
+
+KServe v2 / Triton: server and model metadata, health, ``/config`` (Triton's ModelConfig
+JSON), ``/stats`` (Triton's statistics), and repository control (index, load, unload).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api.repository import Repository
 from api.service import InferenceService
+from api.stats import statistics
+from api.triton_config import triton_config
 from batching.config import ModelConfig
-from batching.errors import ConveyorError, Overloaded, Unavailable
+from batching.errors import ConveyorError, InvalidInput, Overloaded, Unavailable
 
 VERSION = "0.1.0"
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "parameters",
+              "schedule_policy", "statistics"]
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
     headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
     return JSONResponse({"error": exc.message}, status_code=exc.http_status, headers=headers)
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "conveyor", "version": VERSION, "extensions": EXTENSIONS}
 
 
 def metadata(config: ModelConfig) -> dict[str, Any]:
@@ -32,14 +46,38 @@ def metadata(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def add_routes(app: FastAPI, service: InferenceService) -> None:
+async def json_body(request: Request) -> dict[str, Any]:
+    """A control request's JSON object; an empty body is an empty object."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body must be a JSON object")
+    return doc
+
+
+def check_load_parameters(parameters: Any) -> None:
+    """conveyor loads models from their folder only: no config override, no uploaded files."""
+    if not isinstance(parameters, dict):
+        raise InvalidInput("'parameters' must be an object")
+    unsupported = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+    if unsupported:
+        raise InvalidInput(f"load parameters {unsupported} are not supported: conveyor loads "
+                           "a model from its folder in the repository")
+
+
+def add_routes(app: FastAPI, service: InferenceService, repository: Repository) -> None:
     @app.exception_handler(ConveyorError)
     async def conveyor_error(_: Request, exc: ConveyorError) -> JSONResponse:
         return error_response(exc)
 
     @app.get("/v2")
-    async def server_metadata() -> dict[str, Any]:
-        return {"name": "conveyor", "version": VERSION, "extensions": []}
+    async def get_server_metadata() -> dict[str, Any]:
+        return server_metadata()
 
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
@@ -50,20 +88,52 @@ def add_routes(app: FastAPI, service: InferenceService) -> None:
         ok = service.watch.server_ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
+    @app.get("/v2/models/stats")
+    async def all_stats() -> dict[str, Any]:
+        return await statistics(service.dispatcher.redis, service.keys, sorted(service.models))
+
     @app.get("/v2/models/{model}")
     @app.get("/v2/models/{model}/versions/{version}")
-    async def model_metadata(model: str, version: str = "1") -> dict[str, Any]:
-        return metadata(service.model(model))
+    async def model_metadata(model: str, version: str = "") -> dict[str, Any]:
+        return metadata(service.model(model, version))
 
     @app.get("/v2/models/{model}/ready")
     @app.get("/v2/models/{model}/versions/{version}/ready")
-    async def model_ready(model: str, version: str = "1") -> JSONResponse:
-        service.model(model)
-        ok = service.watch.model_ready(model)
-        if not ok:
+    async def model_ready(model: str, version: str = "") -> JSONResponse:
+        service.model(model, version)
+        if not service.watch.model_ready(model):
             return error_response(Unavailable(f"model {model!r} has no ready worker"))
         return JSONResponse({"name": model, "ready": True})
 
+    @app.get("/v2/models/{model}/config")
+    @app.get("/v2/models/{model}/versions/{version}/config")
+    async def model_config(model: str, version: str = "") -> dict[str, Any]:
+        return triton_config(service.model(model, version))
+
+    @app.get("/v2/models/{model}/stats")
+    @app.get("/v2/models/{model}/versions/{version}/stats")
+    async def model_stats(model: str, version: str = "") -> dict[str, Any]:
+        service.model(model, version)
+        return await statistics(service.dispatcher.redis, service.keys, [model])
+
+    @app.post("/v2/repository/index")
+    async def repository_index(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        return JSONResponse(await repository.index(ready_only=body.get("ready") is True))
+
+    @app.post("/v2/repository/models/{model}/load")
+    async def load(model: str, request: Request) -> JSONResponse:
+        check_load_parameters((await json_body(request)).get("parameters") or {})
+        await repository.load(model)
+        return JSONResponse({})
+
+    @app.post("/v2/repository/models/{model}/unload")
+    async def unload(model: str, request: Request) -> JSONResponse:
+        await json_body(request)
+        await repository.unload(model)
+        return JSONResponse({})
+
     @app.get("/metrics")
     async def metrics() -> Response:
+        await service.metrics.refresh(service.dispatcher.redis, service.keys, service.models)
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

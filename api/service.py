@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from api.dispatch import Dispatcher
+from api.dispatch import Admission, Dispatcher
 from api.health import WorkerWatch
 from api.kserve import InferRequest
 from api.metrics import ApiMetrics
@@ -26,23 +26,32 @@ class InferenceService:
     watch: WorkerWatch
     keys: Keys
     metrics: ApiMetrics
+    unloaded: set[str] = field(default_factory=set)
+    """Models unloaded through the repository API (kept in step by api.repository)."""
 
-    def model(self, name: str) -> ModelConfig:
+    def model(self, name: str, version: str = "") -> ModelConfig:
+        """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
         config = self.models.get(name)
         if config is None:
+            if name in self.unloaded:
+                raise ModelNotFound(f"model {name!r} is unloaded")
             raise ModelNotFound(f"unknown model {name!r}")
+        if version not in ("", "1"):
+            raise ModelNotFound(f"model {name!r} has no version {version!r} (only \"1\")")
         return config
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], InferRequest],
-                    started: float) -> tuple[InferRequest, Reply]:
+                    started: float, protocol: str, version: str = "") -> tuple[InferRequest, Reply]:
         """Parse, validate and run one request through Redis and a worker.
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
-        if model not in self.models:
+        self.metrics.protocol_requests.labels(protocol).inc()
+        try:
+            config = self.model(model, version)
+        except ModelNotFound:
             self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
-            raise ModelNotFound(f"unknown model {model!r}")
-        config = self.models[model]
+            raise
         try:
             parsed = parse(config)
             if not self.watch.model_served(model):
@@ -65,8 +74,9 @@ class InferenceService:
                 inputs=parsed.inputs,
                 outputs=parsed.outputs,
             )
-            reply = await self.dispatcher.submit(
-                self.keys.queue(model, priority), request, timeout_ms / 1000.0)
+            admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
+                                  parsed.rows, config.queue.max_queue_rows)
+            reply = await self.dispatcher.submit(admission, request, timeout_ms / 1000.0)
             if not reply.ok:
                 raise from_code(reply.error_code, reply.error)
         except ConveyorError as exc:

@@ -59,6 +59,8 @@ class ModelConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     execution_timeout_s: float = 60.0
+    max_deliveries: int = 3
+    """Deliveries of one entry (each a process that took it and died) before dead-lettering."""
     instances: tuple[InstanceGroup, ...] = (InstanceGroup(),)
     parameters: dict[str, Any] = field(default_factory=dict)
 
@@ -72,7 +74,7 @@ class ModelConfig:
     def from_dict(cls, name: str, raw: dict[str, Any], backend: str | None = None) -> ModelConfig:
         """Parse a ``config.yaml`` mapping; ``backend`` is the one inferred from the artifact."""
         known = {"backend", "max_batch_size", "inputs", "outputs", "batching", "queue",
-                 "execution_timeout_s", "instances", "parameters", "platform"}
+                 "execution_timeout_s", "max_deliveries", "instances", "parameters", "platform"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{name}: unknown keys {sorted(unknown)}")
@@ -92,6 +94,7 @@ class ModelConfig:
             batching=BatchingConfig(**_section(name, "batching", raw.get("batching"), BatchingConfig)),
             queue=queue,
             execution_timeout_s=float(raw.get("execution_timeout_s", 60.0)),
+            max_deliveries=_int(name, "max_deliveries", raw.get("max_deliveries", 3), minimum=1),
             instances=tuple(
                 InstanceGroup(**_section(name, f"instances[{i}]", item, InstanceGroup))
                 for i, item in enumerate(raw.get("instances") or [{}])

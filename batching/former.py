@@ -27,6 +27,8 @@ class Entry:
     request: Request
     seen: float
     """Wall-clock seconds when this process read it."""
+    deliveries: int = 1
+    """How often Redis has handed it out; above 1 it outlived a process (maybe killed it)."""
 
     @property
     def rows(self) -> int:
@@ -104,12 +106,18 @@ class BatchFormer:
             earliest_deadline=min(e.deadline for e in group),
         )
 
-    def take(self, reason: str) -> Batch:
-        """Remove the head shape group, up to ``max_rows`` rows, oldest first."""
+    def take(self, reason: str, max_rows: int | None = None) -> Batch:
+        """Remove the head shape group, up to ``max_rows`` rows, oldest first.
+
+        A re-delivered entry runs alone: if it is what killed a process, it fails alone
+        and its former neighbours succeed.
+        """
+        limit = min(self.max_rows, max_rows or self.max_rows)
         chosen: list[Entry] = []
         rows = 0
         for entry in self._head_group():
-            if chosen and rows + entry.rows > self.max_rows:
+            if chosen and (rows + entry.rows > limit or entry.deliveries > 1
+                           or chosen[0].deliveries > 1):
                 break
             chosen.append(entry)
             rows += entry.rows

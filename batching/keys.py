@@ -24,6 +24,10 @@ class Keys:
         """A model's request streams, highest priority first."""
         return [self.queue(model, p) for p in range(1, levels + 1)]
 
+    def rows_waiting(self, model: str) -> str:
+        """Counter of rows admitted and not yet answered (the queue limit's measure)."""
+        return f"{self.prefix}:{{{model}}}:rows"
+
     def reply(self, api_id: str) -> str:
         """List of encoded replies for one API process."""
         return f"{self.prefix}:reply:{api_id}"

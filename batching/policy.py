@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from batching.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,13 +15,43 @@ class Decision:
     wait_s: float = 0.0
     """When not dispatching: how long to wait locally before looking again."""
     reason: str = ""
-    """Why a batch was dispatched: full, window or deadline."""
+    """Why a batch was dispatched: full, window, deadline or policy."""
+    max_rows: int | None = None
+    """When dispatching: take at most this many rows (None: as many as the former allows)."""
 
 
 class Policy(Protocol):
+    row_cap: int | None
+    """Largest batch this instance may run (learned from out-of-memory errors); None: no cap."""
+
     def decide(self, now: float, rows: int, first_seen: float, earliest_deadline: float) -> Decision:
         """``rows`` waiting in the head shape group; ``first_seen``: when its oldest was read."""
         ...
+
+    def observe_batch(self, rows: int, seconds: float, now: float) -> None:
+        """A batch of ``rows`` took ``seconds`` of service and finished at ``now``."""
+        ...
+
+    def observe_arrivals(self, count: int, now: float) -> None:
+        """``count`` rows were read from the streams at ``now``."""
+        ...
+
+    def estimates(self) -> dict[str, float]:
+        """The policy's current estimates, for metrics (empty when it keeps none)."""
+        ...
+
+
+def effective_cap(max_rows: int, row_cap: int | None) -> int:
+    """The most rows one batch may hold: ``max_rows``, lowered by a learned cap, never below 1."""
+    if row_cap is None:
+        return max_rows
+    return max(1, min(max_rows, row_cap))
+
+
+def preferred_take(rows: int, cap: int, preferred: tuple[int, ...]) -> int | None:
+    """Triton's rule: the largest preferred size that is ready, else None (take what waits)."""
+    ready = [p for p in preferred if p <= min(rows, cap)]
+    return max(ready) if ready else None
 
 
 @dataclass(slots=True)
@@ -26,18 +59,49 @@ class FixedWindow:
     """Triton's dynamic batcher: dispatch when full, or ``max_delay_s`` after the first entry.
 
     With ``max_delay_s == 0`` whatever is waiting goes at once: batches still grow under
-    load, because requests pile up while the model runs.
+    load, because requests pile up while the model runs. As in Triton, once a preferred
+    batch size can be formed the largest such batch goes at once; ``row_cap``, when set,
+    lowers the batch size bound.
     """
 
     max_rows: int
     max_delay_s: float = 0.0
+    preferred: tuple[int, ...] = ()
+    row_cap: int | None = None
 
     def decide(self, now: float, rows: int, first_seen: float, earliest_deadline: float) -> Decision:
-        if rows >= self.max_rows:
-            return Decision(True, reason="full")
+        cap = effective_cap(self.max_rows, self.row_cap)
+        limit = cap if cap < self.max_rows else None
+        if rows >= cap:
+            return Decision(True, reason="full", max_rows=limit)
+        preferred = preferred_take(rows, cap, self.preferred)
+        if preferred is not None:
+            return Decision(True, reason="full", max_rows=preferred)
         closes = first_seen + self.max_delay_s
         if now >= closes:
-            return Decision(True, reason="window")
+            return Decision(True, reason="window", max_rows=limit)
         if earliest_deadline <= closes:
-            return Decision(True, reason="deadline")
+            return Decision(True, reason="deadline", max_rows=limit)
         return Decision(False, wait_s=closes - now)
+
+    def observe_batch(self, rows: int, seconds: float, now: float) -> None:
+        """A fixed window learns nothing."""
+
+    def observe_arrivals(self, count: int, now: float) -> None:
+        """A fixed window learns nothing."""
+
+    def estimates(self) -> dict[str, float]:
+        return {}
+
+
+def make_policy(config: ModelConfig) -> Policy:
+    """The policy of one inference instance: adaptive, or Triton's fixed window."""
+    batching = config.batching
+    delay_s = batching.max_queue_delay_us / 1e6
+    preferred = tuple(sorted(p for p in batching.preferred_batch_sizes if 0 < p <= config.max_batch_size))
+    if not batching.adaptive:
+        return FixedWindow(config.max_batch_size, delay_s, preferred)
+    from batching.adaptive import AdaptivePolicy  # adaptive imports this module
+
+    return AdaptivePolicy(config.max_batch_size, max_delay_s=delay_s, preferred=preferred,
+                          latency_target_s=batching.latency_target_ms / 1000.0)

@@ -21,6 +21,8 @@ class Settings(BaseSettings):
     http_port: int = 8000
     grpc_port: int = 8001
     flower_port: int = 5555
+    worker_port: int = 8002
+    """The inference worker's probe port (/live, /ready); 0 turns the probe off."""
 
     def model_filter(self) -> set[str]:
         return {m.strip() for m in self.models.split(",") if m.strip()}

@@ -72,10 +72,12 @@ class Group:
             self.popen = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
 
+    def log_tail(self) -> str:
+        return f"--- {self.name} log:\n{self.log_path.read_text(errors='replace')[-3000:]}"
+
     def check_alive(self) -> None:
         if self.popen.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{tail}")
+            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -88,7 +90,7 @@ class Group:
 
 
 @contextmanager
-def started(groups: list[Group], ready: Callable[[], bool], timeout: float = 90) -> Iterator[None]:
+def started(groups: list[Group], ready: Callable[[], bool], timeout: float = 120) -> Iterator[None]:
     """Wait until ``ready`` holds (failing fast if a server dies), stop every group on exit."""
     try:
         deadline = time.monotonic() + timeout
@@ -96,7 +98,8 @@ def started(groups: list[Group], ready: Callable[[], bool], timeout: float = 90)
             for group in groups:
                 group.check_alive()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{[g.name for g in groups]} not ready after {timeout:.0f}s")
+                logs = "\n".join(g.log_tail() for g in groups)
+                raise RuntimeError(f"{[g.name for g in groups]} not ready after {timeout:.0f}s\n{logs}")
             time.sleep(0.2)
         yield
     finally:
@@ -128,6 +131,17 @@ def machine_busy_s() -> float:
     return (sum(values) - values[3] - values[4]) / TICKS  # minus idle and iowait
 
 
+def wait_quiet(timeout: float, max_busy: float = 0.3) -> None:
+    """Wait (up to ``timeout``) until other tenants leave the machine nearly idle for a second."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy0 = machine_busy_s()
+        time.sleep(1.0)
+        if machine_busy_s() - busy0 < max_busy:
+            return
+    print(f"  machine still busy after {timeout:.0f}s: measuring anyway", file=sys.stderr)
+
+
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -148,6 +162,7 @@ class Point:
 
 def measure(system: str, url: str, body: str, groups: list[Group], args: argparse.Namespace,
             concurrency: int) -> Point:
+    wait_quiet(args.quiet_timeout)
     run_wrk(url, body, connections=concurrency, duration_s=args.warmup)
     cpu0, busy0, kids0 = cpu_by_label(groups), machine_busy_s(), children_cpu_s()
     result = run_wrk(url, body, connections=concurrency, duration_s=args.duration)
@@ -250,7 +265,8 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         f"Python {sys.version.split()[0]}",
         f"- command: `{' '.join(['python -m bench.run', *sys.argv[1:]])}`",
         f"- load: `wrk -t1 -cC -d{args.duration}s` after a {args.warmup}s warm-up at the same "
-        "concurrency, wrk on the same box; one system running at a time",
+        "concurrency, wrk on the same box; one system running at a time, each point started "
+        "once the machine was idle for a second (or after --quiet-timeout)",
         f"- load average when the run started: {load}",
         "- CPU s: utime+stime of the server's processes during the measured run (from /proc); "
         "wrk CPU s: wrk itself; other CPU s: the rest of the machine's busy time in that "
@@ -290,13 +306,15 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
     lines += ["## Ratios against the targets", "", "| what | measured | target | met |",
               "|---|---|---|---|", *ratio_rows, "",
               "Conveyor rows use the API process count that was faster at that concurrency.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--duration", type=int, default=10, help="seconds per measured point")
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per point")
+    parser.add_argument("--quiet-timeout", type=float, default=60,
+                        help="seconds to wait for an idle machine before each point")
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(LAYERS))
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
                         default=[1, 8, 64])

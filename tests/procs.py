@@ -43,6 +43,7 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], logdir: Path) -> None:
         self.name = name
+        self.probe_port = 0
         self.log_path = logdir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.popen = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log,
@@ -127,6 +128,8 @@ def service_env(redis_url: str, repository: Path, prefix: str, **extra: str) -> 
 
 def start_api(env: dict[str, str], logdir: Path, name: str = "api") -> tuple[Proc, str]:
     port = free_port()
+    # Each API also serves gRPC; unless the test chose its port, give it a free one.
+    env = {"CONVEYOR_GRPC_PORT": str(free_port()), **env}
     proc = Proc(f"{name}-{port}", [sys.executable, "-m", "uvicorn", "api.main:app",
                                    "--host", "127.0.0.1", "--port", str(port),
                                    "--no-access-log", "--log-level", "warning"], env, logdir)
@@ -140,7 +143,12 @@ def start_api(env: dict[str, str], logdir: Path, name: str = "api") -> tuple[Pro
 
 
 def start_worker(env: dict[str, str], logdir: Path, name: str = "worker") -> Proc:
-    node = f"{name}-{free_port()}@%h"
-    return Proc(node.split("@")[0], [sys.executable, "-m", "celery", "-A", "workers.app",
+    """A Celery inference worker; its probe port is in the returned Proc's ``probe_port``."""
+    port = free_port()
+    node = f"{name}-{port}@%h"
+    env = {**env, "CONVEYOR_WORKER_PORT": str(port)}
+    proc = Proc(node.split("@")[0], [sys.executable, "-m", "celery", "-A", "workers.app",
                                      "worker", "-n", node, "--loglevel", "INFO",
                                      "--without-mingle", "--without-gossip"], env, logdir)
+    proc.probe_port = port
+    return proc

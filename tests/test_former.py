@@ -92,3 +92,18 @@ def test_expired_entries_are_taken_out_and_never_batched() -> None:
 
 def test_empty_former_never_dispatches() -> None:
     assert not former().decide(NOW).dispatch
+
+
+def test_redelivered_entries_run_alone() -> None:
+    f = former()
+    again = entry(1)
+    again.deliveries = 2
+    f.add([again, entry(2), entry(3)])
+    assert [e.request.id for e in f.take("window").entries] == ["1"]
+    assert [e.request.id for e in f.take("window").entries] == ["2", "3"]
+
+
+def test_take_honours_a_lower_row_limit() -> None:
+    f = former(max_rows=8)
+    f.add([entry(n) for n in range(6)])
+    assert f.take("policy", max_rows=4).rows == 4

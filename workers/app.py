@@ -7,12 +7,14 @@ commands, events and heartbeats, and shows the worker in Flower.
 
 from __future__ import annotations
 
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from celery import Celery, bootsteps
 from click import Option
 
 from batching.settings import Settings
+from workers.probe import start_probe
 from workers.supervisor import Supervisor
 
 settings = Settings()
@@ -44,12 +46,19 @@ class InferenceStep(bootsteps.StartStopStep):
         super().__init__(parent, **options)
         self.enabled = inference
         self.supervisor: Supervisor | None = None
+        self.probe: ThreadingHTTPServer | None = None
 
     def start(self, parent: Any) -> None:
-        self.supervisor = Supervisor(Settings())
+        settings = Settings()
+        self.supervisor = Supervisor(settings)
         self.supervisor.start()
+        if settings.worker_port:
+            self.probe = start_probe(self.supervisor, settings.worker_port)
 
     def stop(self, parent: Any) -> None:
+        if self.probe is not None:
+            self.probe.shutdown()
+            self.probe = None
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -20,19 +21,21 @@ class Heartbeat:
     """Background thread writing ``consumer -> {state, device, pid, ts, ...}``."""
 
     def __init__(self, client: redis.Redis, keys: Keys, model: str, consumer: str,
-                 device: str, interval_s: float) -> None:
+                 device: str, interval_s: float,
+                 on_beat: Callable[[], None] | None = None) -> None:
         self._redis = client
         self._key = keys.workers(model)
         self._consumer = consumer
         self._interval_s = interval_s
+        self._on_beat = on_beat
         self._stop = threading.Event()
-        self._info: dict[str, Any] = {"state": "loading", "model": model, "device": device,
+        self.info: dict[str, Any] = {"state": "loading", "model": model, "device": device,
                                       "pid": os.getpid(), "host": socket.gethostname(),
                                       "consumer": consumer}
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def update(self, **info: Any) -> None:
-        self._info.update(info)
+        self.info.update(info)
         self.beat()
 
     def start(self) -> None:
@@ -47,10 +50,12 @@ class Heartbeat:
             self._redis.hdel(self._key, self._consumer)
 
     def beat(self) -> None:
+        if self._on_beat is not None:
+            self._on_beat()
         # While Redis is down beats are lost; the first one after it returns re-announces us.
         with contextlib.suppress(RedisError):
             self._redis.hset(self._key, self._consumer,
-                             json.dumps({**self._info, "ts": time.time()}))
+                             json.dumps({**self.info, "ts": time.time()}))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -1,27 +1,24 @@
-"""One inference process: load a model once on its device, then form, run and answer batches.
+"""The batch loop of one inference process: form, run and answer batches.
 
-Started by the supervisor with ``spawn`` (CUDA is never touched before a fork). The loop:
-block for the first entry, top up without blocking while the policy says wait (the
-window is timed here, never by a short Redis BLOCK), answer expired entries without
-running them, run one shape group, split the outputs, answer and acknowledge.
+The loop: block for the first entry, top up without blocking while the policy says
+wait (the window is timed here, never by a short Redis BLOCK), claim what dead or stuck
+consumers left behind, answer expired entries without running them, run one shape
+group, split the outputs, answer and acknowledge in one pipeline.
+
+Model failures are answered, never fatal. Out of memory halves the batch and the
+learned row cap. A CUDA error that poisons the context stops the process with the batch
+unacknowledged: the supervisor replaces it and another process re-runs the entries.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import signal
-import socket
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.config import ModelConfig
 from batching.datatypes import from_numpy
@@ -29,177 +26,225 @@ from batching.envelope import Reply, Tensor
 from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
 from batching.former import Batch, BatchFormer, Entry
 from batching.keys import Keys
-from batching.policy import FixedWindow
-from batching.repository import load_model_config
-from batching.settings import Settings
-from workers.backends import LoadedModel, load_model
-from workers.heartbeat import Heartbeat
+from batching.memory import RowCap
+from batching.policy import make_policy
+from workers.backends import LoadedModel, is_fatal_device_error, is_out_of_memory
+from workers.recovery import Reclaimer
+from workers.shared_state import SharedState
 from workers.streams import ModelStreams
 
 log = logging.getLogger("conveyor.inference")
 
 BLOCK_MS = 1000
-"""Longest blocking read; bounds how long a stop request waits."""
+"""Longest blocking read; bounds how long a stop request or a reclaim check waits."""
+FATAL_EXIT_CODE = 3
+
+Arrays = dict[str, npt.NDArray[Any]]
 
 
-def consumer_name(model: str, device: str, index: int) -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{model}:{device}:{index}"
+class DeviceLost(Exception):
+    """The device context is unusable; only a new process can recover."""
 
 
 class InferenceLoop:
-    def __init__(self, config: ModelConfig, model: LoadedModel, streams: ModelStreams) -> None:
+    def __init__(self, config: ModelConfig, model: LoadedModel, streams: ModelStreams,
+                 reclaimer: Reclaimer, shared: SharedState, keys: Keys) -> None:
         self.config = config
         self.model = model
         self.streams = streams
-        delay_s = config.batching.max_queue_delay_us / 1e6
-        self.former = BatchFormer(FixedWindow(config.max_batch_size, delay_s),
-                                  config.max_batch_size)
+        self.reclaimer = reclaimer
+        self.shared = shared
+        self.dlq = keys.dead_letter(config.name)
+        self.policy = make_policy(config)
+        self.former = BatchFormer(self.policy, config.max_batch_size)
+        self.row_cap = RowCap(config.max_batch_size)
         self.stopping = False
         self.batches = 0
         self.rows = 0
         self._out_types = {t.name: t.datatype for t in config.outputs}
 
     def step(self) -> None:
-        """Read, and run at most one batch."""
+        """Read, claim, and run at most one batch."""
         room = self.config.max_batch_size - self.former.pending_rows
-        if not self.stopping and room > 0:
-            block = BLOCK_MS if len(self.former) == 0 else None
-            self.former.add(self.streams.read(room, block))
         now = time.time()
+        if not self.stopping and room > 0:
+            if self.reclaimer.due(now):
+                self._admit(self.reclaimer.poll(now, room))
+                room = self.config.max_batch_size - self.former.pending_rows
+            block = BLOCK_MS if len(self.former) == 0 else None
+            if room > 0:
+                fresh = self.streams.read(room, block)
+                if fresh:
+                    self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
+                    self.former.add(fresh)
+            now = time.time()
         expired = self.former.take_expired(now)
         if expired:
             self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
         decision = self.former.decide(now)
-        if not decision.dispatch:
-            if len(self.former) and not self.stopping:
+        if not decision.dispatch and not self.stopping:
+            if len(self.former):
                 time.sleep(min(decision.wait_s, 0.001))
-                return
-            if not self.stopping:
-                return
+            return
         if len(self.former):
-            self.run(self.former.take(decision.reason or "drain"))
+            self.run(self.former.take(decision.reason or "drain",
+                                      min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)))
+
+    def _admit(self, claimed: list[Entry]) -> None:
+        """Queue claimed entries, dead-lettering those delivered too often."""
+        if not claimed:
+            return
+        limit = self.config.max_deliveries
+        dead = [e for e in claimed if e.deliveries > limit]
+        if dead:
+            reason = (f"failed {limit} times: each process that took it died or hung "
+                      "before answering")
+            self.streams.dead_letter(self.dlq, dead, reason)
+            self._answer_error(dead, ModelFailure(
+                f"model {self.config.name!r} {reason}; moved to the dead-letter stream"),
+                {"dead_letter_count": len(dead)})
+        alive = [e for e in claimed if e.deliveries <= limit]
+        self.former.add(alive)
+        self.streams.count({"reclaimed_count": len(claimed)})
 
     def run(self, batch: Batch) -> None:
+        self.shared.busy_since = time.monotonic()
         started = time.time()
         try:
-            outputs = self._predict(batch)
-        except ConveyorError as exc:
-            self._answer_error(batch.entries, exc)
-            return
+            answered = self._run_entries(batch.entries, started)
+        finally:
+            self.shared.busy_since = 0.0
         finished = time.time()
-        exec_ms = (finished - started) * 1000.0
-        rows = batch.rows
         self.batches += 1
-        self.rows += rows
-        replies = []
-        queue_ns = 0
-        for entry, own in zip(batch.entries, batch.split(outputs), strict=True):
+        self.rows += batch.rows
+        counters = _batch_counters(answered, batch.rows, started, finished)
+        counters[f"reason:{batch.reason}"] = 1
+        counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
+        self.streams.answer(answered, counters)
+        done = time.time()
+        self.reclaimer.observe_batch(done - started)
+        if all(reply.ok for _, reply in answered):
+            self.policy.observe_batch(batch.rows, done - started, done)
+
+    def _run_entries(self, entries: list[Entry], started: float) -> list[tuple[Entry, Reply]]:
+        rows = sum(e.rows for e in entries)
+        batch = Batch(entries, "")
+        try:
+            outputs = self._predict(batch.stacked_inputs(), rows)
+        except ConveyorError as exc:
+            return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
+                    for e in entries]
+        except _OutOfMemory:
+            if len(entries) == 1:
+                return [(entries[0], self._oom_alone(entries[0]))]
+            half = len(entries) // 2
+            return (self._run_entries(entries[:half], started)
+                    + self._run_entries(entries[half:], started))
+        self.row_cap.on_success(rows)
+        self._publish_cap()
+        exec_ms = (time.time() - started) * 1000.0
+        answered = []
+        for entry, own in zip(entries, batch.split(outputs), strict=True):
             wanted = entry.request.outputs
             tensors = [Tensor.from_array(name, arr, self._out_types.get(name))
                        for name, arr in own.items() if not wanted or name in wanted]
-            queue_ms = max(0.0, started * 1000.0 - entry.request.enq_ms)
-            queue_ns += int(queue_ms * 1e6)
-            replies.append((entry, Reply(entry.request.id, tensors, batch_rows=rows,
-                                         exec_ms=exec_ms, queue_ms=queue_ms)))
-        self.streams.answer(replies, _batch_counters(batch, started, finished, queue_ns))
+            answered.append((entry, Reply(
+                entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
+                queue_ms=max(0.0, started * 1000.0 - entry.request.enq_ms))))
+        return answered
 
-    def _predict(self, batch: Batch) -> dict[str, npt.NDArray[Any]]:
+    def _oom_alone(self, entry: Entry) -> Reply:
+        """One request out of memory: bisect its rows; a single row that fails, fails alone."""
         try:
-            outputs = self.model.predict(batch.stacked_inputs())
+            outputs = self._predict_halves(Batch([entry], "").stacked_inputs(), entry.rows)
+        except _OutOfMemory:
+            error = ModelFailure(f"model {self.config.name!r} ran out of device memory on a "
+                                 "single row of this request")
+            return Reply(entry.request.id, error_code=error.code, error=error.message)
+        except ConveyorError as exc:
+            return Reply(entry.request.id, error_code=exc.code, error=exc.message)
+        wanted = entry.request.outputs
+        return Reply(entry.request.id, [Tensor.from_array(n, a, self._out_types.get(n))
+                                        for n, a in outputs.items() if not wanted or n in wanted],
+                     batch_rows=entry.rows)
+
+    def _predict_halves(self, inputs: Arrays, rows: int) -> Arrays:
+        try:
+            return self._predict(inputs, rows)
+        except _OutOfMemory:
+            if rows <= 1:
+                raise
+            half = rows // 2
+            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half)
+            second = self._predict_halves({k: v[half:] for k, v in inputs.items()}, rows - half)
+            return {k: np.concatenate([first[k], second[k]]) for k in first}
+
+    def _predict(self, inputs: Arrays, rows: int) -> Arrays:
+        try:
+            outputs = self.model.predict(inputs)
         except ConveyorError:
             raise
-        except Exception as exc:  # the model's own failure: reported, never fatal here
-            log.exception("model %s failed on a batch of %d rows", self.config.name, batch.rows)
+        except Exception as exc:  # the model's own failure: answered, never fatal here
+            if is_out_of_memory(exc):
+                self._on_oom(rows)
+                raise _OutOfMemory() from exc
+            if is_fatal_device_error(exc):
+                raise DeviceLost(str(exc)) from exc
+            log.exception("model %s failed on a batch of %d rows", self.config.name, rows)
             raise ModelFailure(f"model {self.config.name!r} failed: "
                                f"{type(exc).__name__}: {exc}") from exc
-        rows = batch.rows
         for name, arr in outputs.items():
-            arr = np.asarray(arr)
-            if arr.ndim == 0 or arr.shape[0] != rows:
-                raise ModelFailure(f"model {self.config.name!r} returned output {name!r} "
-                                   f"with shape {list(arr.shape)} for {rows} input rows")
             if name not in self._out_types:
                 self._out_types[name] = from_numpy(arr.dtype)
-            outputs[name] = arr
         return outputs
 
-    def _answer_error(self, entries: list[Entry], exc: ConveyorError) -> None:
+    def _publish_cap(self) -> None:
+        self.shared.row_cap = self.policy.row_cap = self.row_cap.cap
+
+    def _on_oom(self, rows: int) -> None:
+        self.row_cap.on_oom(rows)
+        self._publish_cap()
+        self.streams.count({"oom_count": 1})
+        log.warning("%s: out of memory at %d rows; row cap now %d", self.config.name, rows,
+                    self.row_cap.cap)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _answer_error(self, entries: list[Entry], exc: ConveyorError,
+                      extra: dict[str, int] | None = None) -> None:
         now_ms = time.time() * 1000.0
         fail_ns = sum(int(max(0.0, now_ms - e.request.enq_ms) * 1e6) for e in entries)
         self.streams.answer(
             [(e, Reply(e.request.id, error_code=exc.code, error=exc.message)) for e in entries],
-            {"fail_count": len(entries), "fail_ns": fail_ns})
+            {"fail_count": len(entries), "fail_ns": fail_ns, **(extra or {})})
 
 
-def _batch_counters(batch: Batch, started: float, finished: float,
-                    queue_ns: int) -> dict[str, int]:
-    """Triton-style statistics of one executed batch (see api/ stats)."""
-    requests = len(batch.entries)
+class _OutOfMemory(Exception):
+    """Raised inside the loop once an OOM has been counted and the cache freed."""
+
+
+def _batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: float,
+                    finished: float) -> dict[str, int]:
+    """Triton-style statistics of one executed batch, added to the model's stats hash."""
     exec_ns = int((finished - started) * 1e9)
-    success_ns = sum(int(max(0.0, finished * 1000.0 - e.request.enq_ms) * 1e6)
-                     for e in batch.entries)
+    ok = [e for e, reply in answered if reply.ok]
+    failed = [e for e, reply in answered if not reply.ok]
+
+    def since_enqueued_ns(entries: list[Entry], until: float) -> int:
+        return sum(int(max(0.0, until * 1000.0 - e.request.enq_ms) * 1e6) for e in entries)
+
     return {
-        "inference_count": batch.rows,
+        "inference_count": rows,
         "execution_count": 1,
-        "success_count": requests,
-        "success_ns": success_ns,
-        "queue_count": requests,
-        "queue_ns": queue_ns,
-        "compute_infer_count": requests,
-        "compute_infer_ns": exec_ns * requests,
-        f"batch:{batch.rows}:count": 1,
-        f"batch:{batch.rows}:ns": exec_ns,
+        "success_count": len(ok),
+        "success_ns": since_enqueued_ns(ok, finished),
+        "fail_count": len(failed),
+        "fail_ns": since_enqueued_ns(failed, finished),
+        "queue_count": len(answered),
+        "queue_ns": since_enqueued_ns([e for e, _ in answered], started),
+        "compute_infer_count": len(answered),
+        "compute_infer_ns": exec_ns * len(answered),
+        f"batch:{rows}:count": 1,
+        f"batch:{rows}:ns": exec_ns,
     }
-
-
-def serve(model_name: str, device: str, index: int) -> None:
-    """Entry point of a spawned inference process."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
-    settings = Settings()
-    keys = Keys(settings.key_prefix)
-    folder = Path(settings.model_repository) / model_name
-    config = load_model_config(folder)
-    consumer = consumer_name(model_name, device, index)
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
-                                  socket_timeout=BLOCK_MS / 1000 + 5, health_check_interval=30)
-    heartbeat = Heartbeat(client, keys, model_name, consumer, device,
-                          settings.heartbeat_interval_s)
-    heartbeat.start()
-    streams = ModelStreams(client, keys.queues(model_name, config.queue.priority_levels),
-                           keys.stats(model_name), consumer)
-    loop = InferenceLoop(config, load_model(config, folder, device), streams)
-
-    def stop(_signum: int, _frame: object) -> None:
-        loop.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
-    _retry(streams.ensure_groups)
-    heartbeat.update(state="ready", max_batch_size=config.max_batch_size)
-    log.info("%s ready on %s as %s", model_name, device, consumer)
-    gc.collect()
-    gc.freeze()
-    backoff = 0.1
-    while not (loop.stopping and len(loop.former) == 0):
-        try:
-            loop.step()
-            backoff = 0.1
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-    heartbeat.stop()
-    log.info("%s stopped after %d batches, %d rows", consumer, loop.batches, loop.rows)
-
-
-def _retry(action: Any) -> None:
-    delay = 0.1
-    while True:
-        try:
-            action()
-            return
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            log.warning("Redis unreachable (%s); retrying", exc)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import redis
 from redis.exceptions import ResponseError
@@ -22,15 +23,18 @@ from batching.keys import GROUP
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 300
+DLQ_MAXLEN = 10_000
+"""The dead-letter stream keeps about this many of the latest failures."""
 """A reply list nobody pops (its API process died) expires after this."""
 
 
 class ModelStreams:
-    def __init__(self, client: redis.Redis, streams: list[str], stats_key: str,
+    def __init__(self, client: redis.Redis, streams: list[str], stats_key: str, rows_key: str,
                  consumer: str) -> None:
         self._redis = client
         self.streams = streams
         self.stats_key = stats_key
+        self.rows_key = rows_key
         self.consumer = consumer
 
     def ensure_groups(self) -> None:
@@ -41,6 +45,53 @@ class ModelStreams:
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
+
+    def pending_by_consumer(self, stream: str) -> dict[str, int]:
+        """Consumers with unacknowledged entries on ``stream``, and how many each holds."""
+        summary = self._redis.xpending(stream, GROUP)
+        return {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+
+    def claim_from(self, stream: str, consumer: str, count: int) -> list[Entry]:
+        """Take over up to ``count`` entries pending on ``consumer`` (a dead one), now."""
+        pending = self._redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
+                                             consumername=consumer)
+        if not pending:
+            return []
+        ids = [p["message_id"] for p in pending]
+        claimed = self._redis.xclaim(stream, GROUP, self.consumer, 0, ids)
+        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) + 1 for p in pending}
+        return self._entries(stream, claimed, deliveries)
+
+    def autoclaim(self, stream: str, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over entries idle longer than ``min_idle_ms`` on any consumer (a stuck one)."""
+        result = self._redis.xautoclaim(stream, GROUP, self.consumer, min_idle_ms, "0-0",
+                                        count=count)
+        claimed = result[1] if result else []
+        if not claimed:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for entry_id, _ in claimed:
+            pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+        deliveries = {_text(p[0]["message_id"]): int(p[0]["times_delivered"])
+                      for p in pipe.execute() if p}
+        return self._entries(stream, claimed, deliveries)
+
+    def dead_letter(self, dlq: str, entries: list[Entry], reason: str) -> None:
+        """Record entries that failed too often in the dead-letter stream (capped)."""
+        pipe = self._redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.xadd(dlq, {"id": entry.request.id, "stream": entry.stream,
+                            "entry": entry.entry_id, "deliveries": entry.deliveries,
+                            "reason": reason, "request": entry.request.encode()},
+                      maxlen=DLQ_MAXLEN, approximate=True)
+        pipe.execute()
+
+    def forget_idle_consumers(self, stream: str, live: set[str], idle_ms: int) -> None:
+        """Delete group consumers that hold nothing, have no heartbeat and sat idle long."""
+        for info in self._redis.xinfo_consumers(stream, GROUP):
+            name = _text(info["name"])
+            if name not in live and int(info["pending"]) == 0 and int(info["idle"]) > idle_ms:
+                self._redis.xgroup_delconsumer(stream, GROUP, name)
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """New entries, highest priority stream first; ``block_ms=None`` does not block."""
@@ -53,40 +104,54 @@ class ModelStreams:
                 raise
             self.ensure_groups()  # Redis lost its data (restart without persistence)
             return []
-        now = time.time()
         entries = []
         for stream, items in result or []:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            for raw_id, fields in items:
-                entry_id = raw_id.decode()
-                try:
-                    request = Request.decode(fields[FIELD])
-                except (KeyError, ValueError, TypeError) as exc:
-                    log.error("dropping unreadable entry %s %s: %s", name, entry_id, exc)
-                    self._drop(name, entry_id)
-                    continue
-                entries.append(Entry(name, entry_id, request, now))
+            entries.extend(self._entries(_text(stream), items, {}))
+        return entries
+
+    def _entries(self, stream: str, items: list[Any], deliveries: dict[str, int]) -> list[Entry]:
+        now = time.time()
+        entries = []
+        for raw_id, fields in items:
+            entry_id = _text(raw_id)
+            try:
+                request = Request.decode(fields[FIELD])
+            except (KeyError, ValueError, TypeError) as exc:
+                log.error("dropping unreadable entry %s %s: %s", stream, entry_id, exc)
+                self._drop(stream, entry_id)
+                continue
+            entries.append(Entry(stream, entry_id, request, now, deliveries.get(entry_id, 1)))
         return entries
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
                counters: Mapping[str, int] | None = None) -> None:
-        """Send every reply, add ``counters`` to the stats hash, XACK and XDEL the entries.
-
-        One round trip for the whole batch.
+        """Send every reply, XACK and XDEL the entries, release their rows from the queue
+        limit and add ``counters`` to the stats hash: one round trip for the whole batch.
         """
         pipe = self._redis.pipeline(transaction=False)
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str]] = defaultdict(list)
+        rows = 0
         for entry, reply in answered:
             by_reply[entry.request.reply].append(reply.encode())
             by_stream[entry.stream].append(entry.entry_id)
+            rows += entry.rows
         for key, blobs in by_reply.items():
             pipe.rpush(key, *blobs)
             pipe.expire(key, REPLY_TTL_S)
         for stream, ids in by_stream.items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
+        if rows:
+            pipe.decrby(self.rows_key, rows)
         for name, amount in (counters or {}).items():
+            pipe.hincrby(self.stats_key, name, amount)
+        pipe.execute()
+
+    def count(self, counters: Mapping[str, int]) -> None:
+        """Add to the model's stats hash."""
+        pipe = self._redis.pipeline(transaction=False)
+        for name, amount in counters.items():
             pipe.hincrby(self.stats_key, name, amount)
         pipe.execute()
 
@@ -96,3 +161,7 @@ class ModelStreams:
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

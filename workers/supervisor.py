@@ -1,26 +1,35 @@
 """Supervises one inference process per model instance, from inside the Celery worker.
 
-Processes are started with ``spawn``. One that dies is replaced after an exponential
-back-off (reset once a replacement has run for a while); the Celery main process never
-exits because a model failed, so a broken model cannot crash-loop the pod.
+Processes start with ``spawn``. The supervisor replaces a process that dies, and kills
+(SIGTERM, then SIGKILL after a grace) one whose batch outlives ``execution_timeout_s``
+or whose heartbeat stopped. Replacements back off exponentially; a model that never
+gets to ready ``MAX_LOAD_FAILURES`` times in a row is marked ``failed`` and retried
+slowly. The Celery main process never exits because a model failed, so a broken model
+cannot crash-loop the pod. Repository load/unload requests (a Redis hash) start and stop
+a model's processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import multiprocessing
+import os
+import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 import redis
 
 from batching.config import ModelConfig
 from batching.keys import Keys
-from batching.repository import load_repository
+from batching.repository import load_model_config, load_repository
 from batching.settings import Settings
-from workers.inference import serve
+from workers.process import serve
+from workers.shared_state import ProcState, SharedState
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -28,7 +37,12 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 30.0
 """A process that has lived this long resets its slot's back-off."""
-STOP_GRACE_S = 10.0
+MAX_LOAD_FAILURES = 5
+FAILED_RETRY_S = 60.0
+KILL_GRACE_S = 2.0
+STOP_GRACE_S = 20.0
+TICK_S = 0.2
+REDIS_ERRORS = (redis.RedisError, OSError)
 
 
 @dataclass(slots=True)
@@ -38,12 +52,26 @@ class Slot:
     model: str
     device: str
     index: int
+    execution_timeout_s: float
     process: BaseProcess | None = None
+    shared: SharedState | None = None
     started: float = 0.0
+    kill_at: float = 0.0
     restarts: int = 0
+    load_failures: int = 0
     backoff_s: float = BACKOFF_START_S
     next_start: float = 0.0
-    pids: list[int] = field(default_factory=list)
+    failed: bool = False
+    retired: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return (self.process is not None and self.process.is_alive()
+                and self.shared is not None and self.shared.state == ProcState.READY)
+
+    @property
+    def name(self) -> str:
+        return f"{socket.gethostname()}:{os.getpid()}:{self.model}:{self.device}:{self.index}:slot"
 
 
 class Supervisor:
@@ -52,78 +80,176 @@ class Supervisor:
         self.keys = Keys(settings.key_prefix)
         self.models: dict[str, ModelConfig] = load_repository(
             settings.model_repository, settings.model_filter() or None)
-        self.slots = [Slot(name, group.device, i)
-                      for name, config in self.models.items()
-                      for group in config.instances
-                      for i in range(group.count)]
+        self.slots: list[Slot] = []
         self._ctx = multiprocessing.get_context("spawn")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="conveyor-supervisor",
                                         daemon=True)
         self._redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
                                            socket_timeout=2.0)
+        self._next_beat = 0.0
 
     def start(self) -> None:
-        log.info("supervising %d inference processes for %s", len(self.slots), sorted(self.models))
-        for slot in self.slots:
-            self._spawn(slot)
+        for config in self.models.values():
+            self._add_slots(config)
+        log.info("supervising %d inference processes for %s", len(self.slots),
+                 sorted(self.models))
         self._thread.start()
+
+    def ready(self) -> bool:
+        active = [s for s in self.slots if not s.retired]
+        return bool(active) and all(s.ready for s in active)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """SIGTERM every process (each finishes its batch and acks), then wait, then kill."""
         self._stop.set()
         self._thread.join(timeout=2.0)
-        for slot in self.slots:
-            if slot.process is not None and slot.process.is_alive():
-                slot.process.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for slot in self.slots:
-            if slot.process is not None:
-                slot.process.join(timeout=max(0.0, deadline - time.monotonic()))
-                if slot.process.is_alive():
-                    log.warning("inference process %s did not stop; killing", slot.process.pid)
-                    slot.process.kill()
-                    slot.process.join(timeout=2.0)
+        _stop_processes([s.process for s in self.slots if s.process is not None])
+        with contextlib.suppress(*REDIS_ERRORS):
+            for slot in self.slots:
+                self._redis.hdel(self.keys.workers(slot.model), slot.name)
+
+    def _add_slots(self, config: ModelConfig) -> None:
+        for group in config.instances:
+            for i in range(group.count):
+                self.slots.append(Slot(config.name, group.device, i, config.execution_timeout_s))
 
     def _spawn(self, slot: Slot) -> None:
-        process = self._ctx.Process(target=serve, args=(slot.model, slot.device, slot.index),
+        slot.shared = SharedState(self._ctx)
+        process = self._ctx.Process(target=serve,
+                                    args=(slot.model, slot.device, slot.index, slot.shared),
                                     name=f"conveyor-{slot.model}-{slot.index}", daemon=False)
         process.start()
-        slot.process = process
-        slot.started = time.monotonic()
-        if process.pid is not None:
-            slot.pids.append(process.pid)
+        slot.process, slot.started, slot.kill_at = process, time.monotonic(), 0.0
         log.info("started inference process %s for %s on %s", process.pid, slot.model,
                  slot.device)
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(TICK_S):
             now = time.monotonic()
             for slot in self.slots:
-                process = slot.process
-                if process is not None and not process.is_alive():
-                    self._on_exit(slot, process, now)
-                if slot.process is None and now >= slot.next_start and not self._stop.is_set():
-                    self._spawn(slot)
+                self._check(slot, now)
+            if now >= self._next_beat:
+                self._next_beat = now + self.settings.heartbeat_interval_s
+                self._sync_with_redis()
+
+    def _check(self, slot: Slot, now: float) -> None:
+        process = slot.process
+        if process is not None and not process.is_alive():
+            self._on_exit(slot, process, now)
+        elif process is not None and slot.shared is not None:
+            if slot.shared.state == ProcState.READY:
+                slot.load_failures = 0
+            reason = self._hung(slot, now)
+            if reason and not slot.kill_at:
+                log.error("killing inference process %s for %s: %s", process.pid, slot.model,
+                          reason)
+                process.terminate()
+                slot.kill_at = now + KILL_GRACE_S
+            elif slot.kill_at and now >= slot.kill_at:
+                process.kill()
+        if slot.process is None and not slot.retired and now >= slot.next_start:
+            self._spawn(slot)
+
+    def _hung(self, slot: Slot, now: float) -> str:
+        assert slot.shared is not None
+        busy = slot.shared.busy_since
+        if busy and now - busy > slot.execution_timeout_s:
+            return f"batch running for {now - busy:.1f}s > execution_timeout_s"
+        if now - slot.shared.last_beat > self.settings.heartbeat_stale_s:
+            return f"no heartbeat for {now - slot.shared.last_beat:.1f}s"
+        return ""
 
     def _on_exit(self, slot: Slot, process: BaseProcess, now: float) -> None:
         lived = now - slot.started
+        was_ready = slot.shared is not None and slot.shared.state != ProcState.LOADING
+        slot.process = None
+        self._forget(slot, process)
+        if slot.retired:
+            return
         if lived >= HEALTHY_AFTER_S:
             slot.backoff_s = BACKOFF_START_S
-        log.error("inference process %s for %s exited (code %s) after %.1fs; restarting in "
-                  "%.1fs", process.pid, slot.model, process.exitcode, lived, slot.backoff_s)
-        self._forget(slot, process)
-        slot.process = None
+        slot.load_failures = 0 if was_ready else slot.load_failures + 1
+        slot.failed = slot.load_failures >= MAX_LOAD_FAILURES
+        delay = FAILED_RETRY_S if slot.failed else slot.backoff_s
+        log.error("inference process %s for %s exited (code %s) after %.1fs; %s, restarting "
+                  "in %.1fs", process.pid, slot.model, process.exitcode, lived,
+                  "model marked failed" if slot.failed else "replacing it", delay)
         slot.restarts += 1
-        slot.next_start = now + slot.backoff_s
+        slot.next_start = now + delay
         slot.backoff_s = min(slot.backoff_s * 2, BACKOFF_MAX_S)
+        with contextlib.suppress(*REDIS_ERRORS):
+            self._redis.hincrby(self.keys.stats(slot.model), "restart_count", 1)
 
     def _forget(self, slot: Slot, process: BaseProcess) -> None:
-        """Remove the dead process's heartbeat so readiness stops counting it at once."""
+        """Remove the dead process's heartbeat so its entries are claimed at once."""
         try:
             beats = self._redis.hgetall(self.keys.workers(slot.model))
             dead = [c for c in beats if c.decode().split(":")[1] == str(process.pid)]
             if dead:
                 self._redis.hdel(self.keys.workers(slot.model), *dead)
-        except (redis.RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             log.warning("could not clear heartbeat of %s: %s", process.pid, exc)
+
+    def _sync_with_redis(self) -> None:
+        """Announce slots that have no ready process, and apply repository load/unload."""
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for slot in self.slots:
+                key = self.keys.workers(slot.model)
+                if slot.ready or slot.retired:
+                    pipe.hdel(key, slot.name)
+                else:
+                    state = "failed" if slot.failed else "restarting" if slot.restarts else "loading"
+                    pipe.hset(key, slot.name, json.dumps({
+                        "state": state, "model": slot.model, "device": slot.device,
+                        "restarts": slot.restarts, "ts": time.time()}))
+            pipe.execute()
+            self._apply_repository(self._redis.hgetall(self.keys.repository()))
+        except REDIS_ERRORS as exc:
+            log.debug("Redis unreachable from the supervisor: %s", exc)
+
+    def _apply_repository(self, states: dict[bytes, bytes]) -> None:
+        wanted = {m.decode(): json.loads(v).get("state") for m, v in states.items()}
+        for model, state in wanted.items():
+            slots = [s for s in self.slots if s.model == model]
+            if state == "unloaded" and any(not s.retired for s in slots):
+                log.info("unloading %s", model)
+                for slot in slots:
+                    slot.retired = True
+                threading.Thread(target=_stop_processes, daemon=True,
+                                 args=([s.process for s in slots if s.process],)).start()
+            elif state == "loaded" and (not slots or all(s.retired for s in slots)):
+                self._load(model, slots)
+
+    def _load(self, model: str, old: list[Slot]) -> None:
+        if self.settings.model_filter() and model not in self.settings.model_filter():
+            return
+        folder = self.settings.model_repository / model
+        try:
+            config = load_model_config(folder)
+        except (ValueError, OSError) as exc:
+            log.error("cannot load %s: %s", model, exc)
+            return
+        if any(s.process is not None for s in old):
+            return  # still draining from the unload; load on a later tick
+        self.slots = [s for s in self.slots if s.model != model]
+        self.models[model] = config
+        self._add_slots(config)
+        log.info("loaded %s", model)
+
+
+def _stop_processes(processes: list[BaseProcess]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            log.warning("inference process %s did not stop; killing", process.pid)
+            process.kill()
+            process.join(timeout=2.0)

@@ -1,0 +1,197 @@
+"""The gRPC endpoint (grpc.aio, in the API process's event loop, port ``settings.grpc_port``).
+
+``inference.GRPCInferenceService`` (KServe v2 / Triton) and the standard
+``grpc.health.v1.Health``. Inference goes through the same :class:`InferenceService`
+pipeline as HTTP; errors map to gRPC status codes through the one table in
+:mod:`batching.errors`. Several API processes may bind the same port: gRPC sets
+SO_REUSEPORT and the kernel spreads connections over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from api.grpc_codec import infer_response, parameters, parse_request
+from api.proto import inference_pb2 as pb
+from api.proto import inference_pb2_grpc as pb_grpc
+from api.repository import Repository
+from api.routes import check_load_parameters, metadata, server_metadata
+from api.service import InferenceService
+from api.stats import statistics
+from api.triton_config import triton_config
+from batching.errors import ConveyorError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+STOP_GRACE_S = 5.0
+"""On shutdown, running RPCs get this long to finish."""
+OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+           ("grpc.so_reuseport", 1)]
+
+Reply = TypeVar("Reply")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Reply]]
+
+
+def _mapped(method: Handler[Reply]) -> Handler[Reply]:
+    """Answer a :class:`ConveyorError` with its gRPC status code and message."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Reply:
+        try:
+            return await method(self, request, context)
+        except ConveyorError as exc:
+            await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
+            raise  # abort raised already; this keeps type checkers content
+
+    return wrapper
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, service: InferenceService, repository: Repository) -> None:
+        self.service = service
+        self.repository = repository
+
+    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.service.watch.server_ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+        known = request.name in self.service.models and request.version in ("", "1")
+        return pb.ModelReadyResponse(ready=known and self.service.watch.model_ready(request.name))
+
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(**server_metadata())
+
+    @_mapped
+    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+        config = self.service.model(request.name, request.version)
+        return json_format.ParseDict(metadata(config), pb.ModelMetadataResponse())
+
+    async def _infer(self, request: pb.ModelInferRequest, protocol: str) -> pb.ModelInferResponse:
+        started = time.perf_counter()
+        parsed, reply = await self.service.infer(
+            request.model_name, lambda config: parse_request(request, config), started,
+            protocol, request.model_version)
+        return infer_response(request.model_name, parsed, reply.outputs)
+
+    @_mapped
+    async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
+        return await self._infer(request, "grpc")
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests run concurrently; each answer (or its error) is sent as it completes."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                answers.put_nowait(pb.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, "grpc_stream")))
+            except ConveyorError as exc:
+                answers.put_nowait(pb.ModelStreamInferResponse(
+                    error_message=exc.message,
+                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
+                                                         id=request.id)))
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await asyncio.gather(*list(running))
+            answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            for task in [reader, *running]:
+                task.cancel()
+
+    @_mapped
+    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+        config = self.service.model(request.name, request.version)
+        return json_format.ParseDict({"config": triton_config(config)}, pb.ModelConfigResponse())
+
+    @_mapped
+    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+        if request.name:
+            self.service.model(request.name, request.version)
+        names = [request.name] if request.name else sorted(self.service.models)
+        stats = await statistics(self.service.dispatcher.redis, self.service.keys, names)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    @_mapped
+    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+        models = await self.repository.index(ready_only=request.ready)
+        return json_format.ParseDict({"models": models}, pb.RepositoryIndexResponse())
+
+    @_mapped
+    async def RepositoryModelLoad(self, request: Any,
+                                  context: Any) -> pb.RepositoryModelLoadResponse:
+        check_load_parameters(parameters(request.parameters))
+        await self.repository.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_mapped
+    async def RepositoryModelUnload(self, request: Any,
+                                    context: Any) -> pb.RepositoryModelUnloadResponse:
+        await self.repository.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+class GrpcEndpoint:
+    """The gRPC server and the task that keeps its health status in step with readiness."""
+
+    def __init__(self, service: InferenceService, repository: Repository, port: int,
+                 interval_s: float) -> None:
+        self._service = service
+        self._servicer = InferenceServicer(service, repository)
+        self._port = port
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind and serve; the server is built here, inside the running event loop."""
+        self._server = grpc.aio.server(options=OPTIONS)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, self._server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._server.add_insecure_port(f"0.0.0.0:{self._port}")
+        await self._server.start()
+        await self._update_health()
+        self._task = asyncio.create_task(self._run(), name="conveyor-grpc-health")
+        log.info("gRPC serving on port %d", self._port)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(STOP_GRACE_S)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self._update_health()
+
+    async def _update_health(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self._service.watch.server_ready()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)

@@ -1,0 +1,1 @@
+"""Generated gRPC code for api/proto/inference.proto (see that file for how to regenerate)."""

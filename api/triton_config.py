@@ -1,0 +1,79 @@
+"""A model's configuration in Triton's ModelConfig JSON form (``/config``, gRPC ModelConfig).
+
+Triton's ``dims`` leave out the batch dim when ``max_batch_size > 0``; conveyor's shapes
+carry it first, so ``dims`` is the shape less its first entry. Knobs Triton has no field
+for (the adaptive policy, its latency target, the execution timeout) appear as
+``parameters`` named ``conveyor.*``, beside the model's own ``parameters``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batching.config import BACKENDS, ModelConfig, TensorSpec
+
+_PLATFORM = {
+    "onnx": ("onnxruntime_onnx", "onnxruntime"),
+    "torchscript": ("pytorch_libtorch", "pytorch"),
+    "torch_export": ("pytorch_torch_export", "pytorch"),
+    "python": ("", "python"),
+}
+
+
+def data_type(datatype: str) -> str:
+    """KServe datatype name -> Triton's ``DataType`` enum name (BYTES is TYPE_STRING)."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def triton_config(config: ModelConfig) -> dict[str, Any]:
+    platform, backend = _PLATFORM[config.backend]
+    queue = config.queue
+    parameters = {str(key): {"string_value": str(value)}
+                  for key, value in config.parameters.items()}
+    parameters.update({
+        "conveyor.adaptive": {"string_value": str(config.batching.adaptive).lower()},
+        "conveyor.latency_target_ms": {"string_value": f"{config.batching.latency_target_ms:g}"},
+        "conveyor.execution_timeout_s": {"string_value": f"{config.execution_timeout_s:g}"},
+    })
+    return {
+        "name": config.name,
+        "platform": platform,
+        "backend": backend,
+        "max_batch_size": config.max_batch_size,
+        "input": [{"name": t.name, "data_type": data_type(t.datatype), "format": "FORMAT_NONE",
+                   "dims": _dims(t)} for t in config.inputs],
+        "output": [{"name": t.name, "data_type": data_type(t.datatype), "dims": _dims(t)}
+                   for t in config.outputs],
+        "dynamic_batching": {
+            "preferred_batch_size": list(config.batching.preferred_batch_sizes),
+            "max_queue_delay_microseconds": config.batching.max_queue_delay_us,
+            "preserve_ordering": False,
+            "priority_levels": queue.priority_levels,
+            "default_priority_level": queue.default_priority,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": queue.default_timeout_ms * 1000,
+                "allow_timeout_override": True,
+                "max_queue_size": queue.max_queue_rows,
+            },
+        },
+        "instance_group": [_instance_group(config.name, i, group.device, group.count)
+                           for i, group in enumerate(config.instances)],
+        "default_model_filename": BACKENDS[config.backend],
+        "parameters": parameters,
+    }
+
+
+def _dims(spec: TensorSpec) -> list[int]:
+    return list(spec.shape[1:])
+
+
+def _instance_group(model: str, index: int, device: str, count: int) -> dict[str, Any]:
+    group: dict[str, Any] = {"name": f"{model}_{index}", "count": count}
+    if device.startswith("cuda"):
+        group["kind"] = "KIND_GPU"
+        group["gpus"] = [int(device.partition(":")[2] or 0)]
+    else:
+        group["kind"] = "KIND_CPU"
+        group["gpus"] = []
+    return group

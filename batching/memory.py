@@ -1,0 +1,34 @@
+"""The learned row cap of one inference process: what its device can hold.
+
+Out of memory at n rows halves the cap (multiplicative decrease); a run of full batches
+at the cap raises it by one row (additive probe), up to ``max_batch_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROBE_AFTER = 8
+"""Full batches at the cap before trying one row more."""
+
+
+@dataclass(slots=True)
+class RowCap:
+    limit: int
+    cap: int = field(default=0)
+    _full_batches: int = 0
+
+    def __post_init__(self) -> None:
+        self.cap = self.cap or self.limit
+
+    def on_oom(self, rows: int) -> None:
+        self.cap = max(1, min(self.cap, rows) // 2)
+        self._full_batches = 0
+
+    def on_success(self, rows: int) -> None:
+        if rows < self.cap or self.cap >= self.limit:
+            return
+        self._full_batches += 1
+        if self._full_batches >= PROBE_AFTER:
+            self.cap += 1
+            self._full_batches = 0

@@ -1,0 +1,103 @@
+"""The HTTP codec without processes: binary tensors, raw requests, compression, rendering."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import zlib
+
+import numpy as np
+import orjson
+import pytest
+
+from api.binary import compress, decompress, raw_input, tensor_from_buffer
+from api.kserve import parse_header, render
+from batching.config import ModelConfig
+from batching.envelope import Tensor
+from batching.errors import InvalidInput
+
+CONFIG = ModelConfig.from_dict("m", {
+    "backend": "python", "max_batch_size": 8,
+    "inputs": [{"name": "a", "datatype": "FP32", "shape": [-1, 2]},
+               {"name": "s", "datatype": "BYTES", "shape": [-1, 1]}],
+    "outputs": [{"name": "o", "datatype": "FP32", "shape": [-1, 2]}]})
+
+
+def single(datatype: str, shape: list[int]) -> ModelConfig:
+    return ModelConfig.from_dict("one", {"backend": "python", "inputs": [
+        {"name": "in", "datatype": datatype, "shape": shape}]})
+
+
+def strings(*items: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(i)) + i for i in items)
+
+
+def test_header_then_binary_inputs_in_order() -> None:
+    a = np.arange(4, dtype=np.float32).reshape(2, 2)
+    s = strings(b"", "é".encode())
+    header = orjson.dumps({"id": "r", "inputs": [
+        {"name": "a", "datatype": "FP32", "shape": [2, 2], "parameters": {"binary_data_size": 16}},
+        {"name": "s", "datatype": "BYTES", "shape": [2, 1],
+         "parameters": {"binary_data_size": len(s)}}],
+        "outputs": [{"name": "o", "parameters": {"binary_data": True}}]})
+    parsed = parse_header(header, memoryview(a.tobytes() + s), CONFIG)
+    assert parsed.rows == 2 and parsed.id == "r" and parsed.binary("o")
+    np.testing.assert_array_equal(parsed.inputs[0].array(), a)
+    assert list(parsed.inputs[1].array().ravel()) == [b"", "é".encode()]
+
+
+@pytest.mark.parametrize("datatype,shape,data,message", [
+    ("FP32", (1, 2), b"\0" * 7, "7 bytes of FP32 data do not fill shape [1, 2]"),
+    ("BOOL", (1, 2), b"\x01\x02", "BOOL bytes must be 0 or 1"),
+    ("BYTES", (1, 1), strings(b"ab") + b"x", "1 bytes left after 1 BYTES elements"),
+    ("BYTES", (1, 2), strings(b"ab"), "ends after 1 of 2 elements"),
+    ("BYTES", (1, 1), struct.pack("<I", 9) + b"abc", "claims 9 bytes past the end"),
+])
+def test_bad_binary_tensors(datatype: str, shape: tuple[int, ...], data: bytes,
+                            message: str) -> None:
+    with pytest.raises(InvalidInput, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tensor_from_buffer("t", datatype, shape, data)
+
+
+def test_raw_input_deduces_rows_or_one_free_dim() -> None:
+    rows = raw_input(np.zeros((3, 4), np.float32).tobytes(), single("FP32", [-1, 4]))
+    assert rows.shape == (3, 4)
+    free = raw_input(np.zeros(6, np.int16).tobytes(), single("INT16", [-1, 2, -1]))
+    assert free.shape == (1, 2, 3)
+    text = raw_input("ü".encode(), single("BYTES", [-1, 1]))
+    assert text.shape == (1, 1) and text.array()[0, 0] == "ü".encode()
+    with pytest.raises(InvalidInput, match="cannot be deduced"):
+        raw_input(b"\0" * 5, single("FP32", [-1, 4]))
+    with pytest.raises(InvalidInput, match="exactly one declared input"):
+        raw_input(b"", CONFIG)
+
+
+def test_compression_both_ways() -> None:
+    body = b"x" * 1000
+    assert decompress(gzip.compress(body), "gzip") == body
+    assert decompress(zlib.compress(body), "deflate") == body
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert decompress(raw_deflate.compress(body) + raw_deflate.flush(), "deflate") == body
+    with pytest.raises(InvalidInput, match="unsupported Content-Encoding 'br'"):
+        decompress(body, "br")
+    packed, encoding = compress(body, "deflate;q=0.5, gzip;q=0")
+    assert encoding == "deflate" and zlib.decompress(packed) == body
+    assert compress(body, "identity") == (body, None)
+
+
+def test_render_mixes_json_and_binary_outputs() -> None:
+    request = parse_header(orjson.dumps({
+        "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]},
+                   {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["z"]}],
+        "parameters": {"binary_data_output": True},
+        "outputs": [{"name": "o"}]}), memoryview(b""), CONFIG)
+    out = Tensor.from_array("o", np.array([[1.5, 2.5]], np.float32))
+    body, length = render("m", request, [out, Tensor.from_array("p", np.ones((1, 1)))])
+    assert length is not None
+    header = orjson.loads(body[:length])
+    assert header["outputs"] == [{"name": "o", "datatype": "FP32", "shape": [1, 2],
+                                  "parameters": {"binary_data_size": 8}}]
+    assert body[length:] == out.raw
+    request.binary_default = False
+    body, length = render("m", request, [out])
+    assert length is None and orjson.loads(body)["outputs"][0]["data"] == [1.5, 2.5]

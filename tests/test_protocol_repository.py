@@ -1,0 +1,120 @@
+"""Repository control through tritonclient: index, unload (in-flight requests finish), load."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import TEST_MODELS, Stack
+from tests.procs import wait_for
+from tests.protocol_stack import build_repository, grpc_url, http_host, protocol_stack
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+    yield from protocol_stack(redis_server, logdir,
+                              build_repository(tmp_path_factory.mktemp("repo-repo")))
+
+
+def echo_input(value: float = 1.0) -> httpclient.InferInput:
+    item = httpclient.InferInput("x", [1, 4], "FP32")
+    item.set_data_from_numpy(np.full((1, 4), value, np.float32))
+    return item
+
+
+def index(stack: Stack) -> dict[str, dict]:
+    response = httpx.post(f"{stack.url}/v2/repository/index", content=b"")
+    assert response.status_code == 200, response.text
+    return {entry["name"]: entry for entry in response.json()}
+
+
+def test_index_accepts_an_empty_body_and_lists_every_folder(stack: Stack) -> None:
+    entries = index(stack)
+    assert {name: e["state"] for name, e in entries.items()} == dict.fromkeys(
+        ["alltypes", "echo", "onnx_mlp", "slow"], "READY")
+    ready = httpx.post(f"{stack.url}/v2/repository/index", json={"ready": True}).json()
+    assert {e["name"] for e in ready} == set(entries)
+    assert len(httpclient.InferenceServerClient(http_host(stack)).get_model_repository_index()) == 4
+
+
+def test_unload_then_load_over_both_protocols(stack: Stack) -> None:
+    http = httpclient.InferenceServerClient(http_host(stack))
+    grpc = grpcclient.InferenceServerClient(grpc_url(stack))
+    http.unload_model("echo")
+    with pytest.raises(InferenceServerException) as caught:
+        http.infer("echo", [echo_input()])
+    assert caught.value.status() == "404" and "unloaded" in caught.value.message()
+    assert not http.is_model_ready("echo") and not grpc.is_model_ready("echo")
+    assert index(stack)["echo"] == {"name": "echo", "version": "1", "state": "UNAVAILABLE",
+                                    "reason": "unloaded"}
+    assert http.is_server_ready(), "readiness counts loaded models only"
+    http.unload_model("echo")  # unloading an unloaded model is not an error
+
+    grpc.load_model("echo")
+    assert http.is_model_ready("echo")
+    result = http.infer("echo", [echo_input(3.0)])
+    np.testing.assert_array_equal(result.as_numpy("y"), np.full((1, 4), 6.0))
+    assert index(stack)["echo"]["state"] == "READY"
+    grpc.close()
+
+
+def test_in_flight_requests_finish_across_an_unload(stack: Stack) -> None:
+    """The slow model takes 600 ms a batch; it is unloaded while one request runs."""
+    def infer_in_thread() -> np.ndarray:
+        client = httpclient.InferenceServerClient(http_host(stack), network_timeout=60)
+        return client.infer("slow", [echo_input(5.0)]).as_numpy("y")
+
+    http = httpclient.InferenceServerClient(http_host(stack), network_timeout=60)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(infer_in_thread)
+        time.sleep(0.3)
+        http.unload_model("slow")
+        np.testing.assert_array_equal(running.result(timeout=60), np.full((1, 4), 10.0))
+    with pytest.raises(InferenceServerException) as caught:
+        http.infer("slow", [echo_input()])
+    assert caught.value.status() == "404"
+    http.load_model("slow")
+    assert http.infer("slow", [echo_input(1.0)]).as_numpy("y")[0, 0] == 2.0
+
+
+def test_hot_load_of_a_new_folder_and_a_broken_one(stack: Stack) -> None:
+    http = httpclient.InferenceServerClient(http_host(stack), network_timeout=150)
+    shutil.copytree(TEST_MODELS / "echo", stack.repository / "echo_late")
+    assert index(stack)["echo_late"] == {"name": "echo_late", "version": "1",
+                                         "state": "UNAVAILABLE", "reason": "not loaded"}
+    with pytest.raises(InferenceServerException) as caught:
+        http.infer("echo_late", [echo_input()])
+    assert caught.value.status() == "404"
+    http.load_model("echo_late")
+    result = http.infer("echo_late", [echo_input(4.0)])
+    np.testing.assert_array_equal(result.as_numpy("y"), np.full((1, 4), 8.0))
+    assert http.get_model_config("echo_late")["name"] == "echo_late"
+
+    broken = stack.repository / "broken"
+    broken.mkdir()
+    (broken / "config.yaml").write_text("backend: python\nmax_batch_size: -3\n")
+    with pytest.raises(InferenceServerException) as caught:
+        http.load_model("broken")
+    assert caught.value.status() == "400" and "max_batch_size" in caught.value.message()
+    entry = index(stack)["broken"]
+    assert entry["state"] == "UNAVAILABLE" and "max_batch_size" in entry["reason"]
+
+
+def test_a_second_api_process_follows_the_repository_hash(stack: Stack) -> None:
+    other = stack.add_api()
+    client = httpclient.InferenceServerClient(other.removeprefix("http://"))
+    wait_for(lambda: client.is_model_ready("alltypes"), 30, "the second API to see workers")
+    httpclient.InferenceServerClient(http_host(stack)).unload_model("alltypes")
+    wait_for(lambda: httpx.get(f"{other}/v2/models/alltypes").status_code == 404, 10,
+             "the second API to drop the unloaded model")
+    httpclient.InferenceServerClient(http_host(stack)).load_model("alltypes")
+    wait_for(lambda: client.is_model_ready("alltypes"), 30, "the second API to load it again")

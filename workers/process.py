@@ -1,0 +1,100 @@
+"""Entry point of a spawned inference process: load the model once, then run the loop."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from batching.keys import Keys
+from batching.repository import load_model_config
+from batching.settings import Settings
+from workers.backends import load_model
+from workers.heartbeat import Heartbeat
+from workers.inference import BLOCK_MS, FATAL_EXIT_CODE, DeviceLost, InferenceLoop
+from workers.recovery import Reclaimer
+from workers.shared_state import ProcState, SharedState
+from workers.streams import ModelStreams
+
+log = logging.getLogger("conveyor.inference")
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def consumer_name(model: str, device: str, index: int) -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{model}:{device}:{index}"
+
+
+def serve(model_name: str, device: str, index: int, shared: SharedState) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    settings = Settings()
+    keys = Keys(settings.key_prefix)
+    folder = Path(settings.model_repository) / model_name
+    config = load_model_config(folder)
+    consumer = consumer_name(model_name, device, index)
+    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
+                                  socket_timeout=BLOCK_MS / 1000 + 5, health_check_interval=30)
+    heartbeat = Heartbeat(client, keys, model_name, consumer, device,
+                          settings.heartbeat_interval_s, on_beat=shared.beat)
+    heartbeat.start()
+    streams = ModelStreams(client, keys.queues(model_name, config.queue.priority_levels),
+                           keys.stats(model_name), keys.rows_waiting(model_name), consumer)
+    reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
+    loop = InferenceLoop(config, load_model(config, folder, device), streams, reclaimer,
+                         shared, keys)
+
+    def stop(_signum: int, _frame: object) -> None:
+        loop.stopping = True
+        shared.state = ProcState.STOPPING
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    _retry(streams.ensure_groups)
+    shared.row_cap = loop.row_cap.cap
+    shared.state = ProcState.READY
+    heartbeat.update(state="ready", max_batch_size=config.max_batch_size,
+                     row_cap=loop.row_cap.cap)
+    log.info("%s ready on %s as %s", model_name, device, consumer)
+    gc.collect()
+    gc.freeze()
+    backoff = 0.1
+    next_report = 0.0
+    while not (loop.stopping and len(loop.former) == 0):
+        try:
+            loop.step()
+            backoff = 0.1
+        except REDIS_ERRORS as exc:
+            log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+        except DeviceLost as exc:
+            log.critical("device context lost (%s); exiting so a new process takes over", exc)
+            sys.exit(FATAL_EXIT_CODE)
+        if time.monotonic() >= next_report:
+            next_report = time.monotonic() + settings.heartbeat_interval_s
+            heartbeat.info.update(row_cap=loop.row_cap.cap, policy=loop.policy.estimates())
+    heartbeat.stop()
+    log.info("%s stopped after %d batches, %d rows", consumer, loop.batches, loop.rows)
+
+
+def _retry(action: Callable[[], None]) -> None:
+    delay = 0.1
+    while True:
+        try:
+            action()
+            return
+        except REDIS_ERRORS as exc:
+            log.warning("Redis unreachable (%s); retrying", exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
