@@ -22,6 +22,9 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
+chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to chaos-report.jsonl
+	CONVEYOR_CHAOS_SCALE=5 CONVEYOR_CHAOS_REPORT=chaos-report.jsonl $(PY) -m pytest -m chaos -s tests/test_chaos.py
+
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -41,6 +42,13 @@ OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_leng
 
 Reply = TypeVar("Reply")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Reply]]
+M = TypeVar("M", bound=Message)
+
+
+def from_json(doc: dict[str, Any], message: M) -> M:
+    """Fill ``message`` from the JSON form the HTTP routes answer with (one renderer)."""
+    json_format.ParseDict(doc, message)
+    return message
 
 
 def _mapped(method: Handler[Reply]) -> Handler[Reply]:
@@ -78,7 +86,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_mapped
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
         config = self.service.model(request.name, request.version)
-        return json_format.ParseDict(metadata(config), pb.ModelMetadataResponse())
+        return from_json(metadata(config), pb.ModelMetadataResponse())
 
     async def _infer(self, request: pb.ModelInferRequest, protocol: str) -> pb.ModelInferResponse:
         started = time.perf_counter()
@@ -108,25 +116,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                                          id=request.id)))
 
         async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(one(request))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            await asyncio.gather(*list(running))
-            answers.put_nowait(None)
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(one(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*list(running))
+            finally:
+                answers.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (answer := await answers.get()) is not None:
                 yield answer
         finally:
-            for task in [reader, *running]:
+            pending = [reader, *running]
+            for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     @_mapped
     async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
         config = self.service.model(request.name, request.version)
-        return json_format.ParseDict({"config": triton_config(config)}, pb.ModelConfigResponse())
+        return from_json({"config": triton_config(config)}, pb.ModelConfigResponse())
 
     @_mapped
     async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
@@ -134,12 +146,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.service.model(request.name, request.version)
         names = [request.name] if request.name else sorted(self.service.models)
         stats = await statistics(self.service.dispatcher.redis, self.service.keys, names)
-        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+        return from_json(stats, pb.ModelStatisticsResponse())
 
     @_mapped
     async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
         models = await self.repository.index(ready_only=request.ready)
-        return json_format.ParseDict({"models": models}, pb.RepositoryIndexResponse())
+        return from_json({"models": models}, pb.RepositoryIndexResponse())
 
     @_mapped
     async def RepositoryModelLoad(self, request: Any,

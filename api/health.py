@@ -22,6 +22,9 @@ from batching.keys import Keys
 log = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 60.0
+SERVED_WITHIN_S = 30.0
+"""A model with any heartbeat this recent still takes requests: a hung or restarting
+process is being replaced, so requests queue for it rather than fail with 503."""
 """Heartbeats older than this are deleted: their process is long gone."""
 
 
@@ -29,7 +32,7 @@ FORGET_AFTER_S = 60.0
 class ModelWorkers:
     ready: int = 0
     alive: int = 0
-    """Fresh heartbeats of processes that will serve: loading, ready or restarting."""
+    """Processes that will serve (loading, ready, restarting) seen within SERVED_WITHIN_S."""
     states: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -90,11 +93,11 @@ class WorkerWatch:
                 age = now - float(state.get("ts", 0))
                 if age > FORGET_AFTER_S:
                     stale.append((model, consumer))
-                if age > self._stale_s:
-                    continue
-                workers.alive += state.get("state") != "failed"
-                workers.ready += state.get("state") == "ready"
-                workers.states.append(state)
+                if age <= SERVED_WITHIN_S:
+                    workers.alive += state.get("state") != "failed"
+                if age <= self._stale_s:
+                    workers.ready += state.get("state") == "ready"
+                    workers.states.append(state)
             self.view[model] = workers
         if stale:
             pipe = redis.pipeline(transaction=False)

@@ -18,7 +18,8 @@ from tritonclient.grpc import service_pb2
 from tests.procs import ROOT
 
 PROTO = "api/proto/inference.proto"
-GENERATED = ["api/proto/inference_pb2.py", "api/proto/inference_pb2_grpc.py"]
+GENERATED = ["api/proto/inference_pb2.py", "api/proto/inference_pb2.pyi",
+             "api/proto/inference_pb2_grpc.py"]
 
 
 def protoc(*args: str) -> None:
@@ -27,12 +28,12 @@ def protoc(*args: str) -> None:
 
 
 def test_committed_generated_code_is_current(tmp_path: Path) -> None:
-    protoc(f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}")
+    protoc(f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}")
     for name in GENERATED:
         fresh = (tmp_path / name).read_text()
         assert (ROOT / name).read_text() == fresh, (
-            f"{name} is stale: regenerate it with python -m grpc_tools.protoc -I . "
-            f"--python_out=. --grpc_python_out=. {PROTO} (grpcio-tools as pinned in pyproject)")
+            f"{name} is stale: regenerate it with python -m grpc_tools.protoc -I . --python_out=. "
+            f"--pyi_out=. --grpc_python_out=. {PROTO} (grpcio-tools as pinned in pyproject)")
 
 
 def ours(tmp_path: Path) -> descriptor_pool.DescriptorPool:

@@ -40,6 +40,8 @@ HEALTHY_AFTER_S = 30.0
 MAX_LOAD_FAILURES = 5
 FAILED_RETRY_S = 60.0
 KILL_GRACE_S = 2.0
+STARTUP_SILENCE_S = 60.0
+"""How long a process that has not loaded yet may go without a heartbeat."""
 STOP_GRACE_S = 20.0
 TICK_S = 0.2
 REDIS_ERRORS = (redis.RedisError, OSError)
@@ -66,7 +68,7 @@ class Slot:
 
     @property
     def ready(self) -> bool:
-        return (self.process is not None and self.process.is_alive()
+        return (self.process is not None and self.process.is_alive() and not self.kill_at
                 and self.shared is not None and self.shared.state == ProcState.READY)
 
     @property
@@ -159,7 +161,10 @@ class Supervisor:
         busy = slot.shared.busy_since
         if busy and now - busy > slot.execution_timeout_s:
             return f"batch running for {now - busy:.1f}s > execution_timeout_s"
-        if now - slot.shared.last_beat > self.settings.heartbeat_stale_s:
+        # A starting process beats only once its interpreter and imports are up.
+        limit = (self.settings.heartbeat_stale_s if slot.shared.state != ProcState.LOADING
+                 else STARTUP_SILENCE_S)
+        if now - slot.shared.last_beat > limit:
             return f"no heartbeat for {now - slot.shared.last_beat:.1f}s"
         return ""
 
