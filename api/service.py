@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from batching.config import ModelConfig
 from batching.envelope import Reply, Request
 from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
 from batching.keys import Keys
+
+log = logging.getLogger(__name__)
 
 UNKNOWN_MODEL = "_unknown"
 """Model label for requests naming no known model (keeps label cardinality bounded)."""
@@ -82,6 +85,10 @@ class InferenceService:
         except ConveyorError as exc:
             self._count(model, exc.code, started)
             raise
+        except Exception as exc:  # a bug, not the client's doing: still answer 500 / INTERNAL
+            log.exception("request for model %s failed", model)
+            self._count(model, ConveyorError.code, started)
+            raise ConveyorError(f"internal error: {type(exc).__name__}: {exc}") from exc
         self._count(model, "success", started)
         self.metrics.queue.labels(model).observe(reply.queue_ms / 1000.0)
         self.metrics.batch_size.labels(model).observe(reply.batch_rows)

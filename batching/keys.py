@@ -43,6 +43,10 @@ class Keys:
         """Hash: model -> JSON {state: loaded|unloaded, ts}, set by repository load/unload."""
         return f"{self.prefix}:repository"
 
+    def control(self, model: str) -> str:
+        """Hash of run-time batching overrides (max_queue_delay_us, max_batch_size)."""
+        return f"{self.prefix}:{{{model}}}:control"
+
     def workers(self, model: str) -> str:
         """Hash: consumer name -> heartbeat JSON."""
         return f"{self.prefix}:{{{model}}}:workers"

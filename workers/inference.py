@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,14 @@ FATAL_EXIT_CODE = 3
 Arrays = dict[str, npt.NDArray[Any]]
 
 
+BatchListener = Callable[[int, float, str], None]
+"""Told of every executed batch: rows, seconds, reason (for Celery task events)."""
+
+
+def _no_events(rows: int, seconds: float, reason: str) -> None:
+    """The default listener: nobody is told."""
+
+
 class DeviceLost(Exception):
     """The device context is unusable; only a new process can recover."""
 
@@ -58,19 +67,42 @@ class InferenceLoop:
         self.policy = make_policy(config)
         self.former = BatchFormer(self.policy, config.max_batch_size)
         self.row_cap = RowCap(config.max_batch_size)
+        self.max_rows = config.max_batch_size
+        self.events: BatchListener = _no_events
         self.stopping = False
         self.batches = 0
         self.rows = 0
         self._out_types = {t.name: t.datatype for t in config.outputs}
 
+    def apply_control(self, overrides: dict[str, int]) -> None:
+        """Run-time batching knobs (Celery's ``conveyor_set_batching``), without a restart.
+
+        ``max_batch_size`` may lower the configured bound or restore it, never exceed it:
+        the API admits requests against the configured one.
+        """
+        if "max_queue_delay_us" in overrides:
+            self.policy.max_delay_s = max(0, int(overrides["max_queue_delay_us"])) / 1e6
+        if "max_batch_size" in overrides:
+            rows = min(max(1, int(overrides["max_batch_size"])), self.config.max_batch_size)
+            self.max_rows = self.policy.max_rows = self.former.max_rows = rows
+            self.row_cap.limit = rows
+            self.row_cap.cap = min(self.row_cap.cap, rows)
+            self._publish_cap()
+
+    def stats(self) -> dict[str, float]:
+        return {"batches": self.batches, "rows": self.rows,
+                "mean_batch": self.rows / self.batches if self.batches else 0.0,
+                "row_cap": self.row_cap.cap, "max_batch_size": self.max_rows,
+                "max_queue_delay_us": int(self.policy.max_delay_s * 1e6)}
+
     def step(self) -> None:
         """Read, claim, and run at most one batch."""
-        room = self.config.max_batch_size - self.former.pending_rows
+        room = self.max_rows - self.former.pending_rows
         now = time.time()
         if not self.stopping and room > 0:
             if self.reclaimer.due(now):
                 self._admit(self.reclaimer.poll(now, room))
-                room = self.config.max_batch_size - self.former.pending_rows
+                room = self.max_rows - self.former.pending_rows
             block = BLOCK_MS if len(self.former) == 0 else None
             if room > 0:
                 fresh = self.streams.read(room, block)
@@ -122,6 +154,7 @@ class InferenceLoop:
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
         self.streams.answer(answered, counters)
         done = time.time()
+        self.events(batch.rows, done - started, batch.reason)
         self.reclaimer.observe_batch(done - started)
         if all(reply.ok for _, reply in answered):
             self.policy.observe_batch(batch.rows, done - started, done)

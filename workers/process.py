@@ -83,9 +83,21 @@ def serve(model_name: str, device: str, index: int, shared: SharedState) -> None
             sys.exit(FATAL_EXIT_CODE)
         if time.monotonic() >= next_report:
             next_report = time.monotonic() + settings.heartbeat_interval_s
-            heartbeat.info.update(row_cap=loop.row_cap.cap, policy=loop.policy.estimates())
+            _report_and_follow(loop, heartbeat, client, keys.control(model_name))
     heartbeat.stop()
     log.info("%s stopped after %d batches, %d rows", consumer, loop.batches, loop.rows)
+
+
+def _report_and_follow(loop: InferenceLoop, heartbeat: Heartbeat, client: redis.Redis,
+                       control_key: str) -> None:
+    """Publish the loop's figures with the next heartbeat; apply run-time overrides."""
+    heartbeat.info.update(loop.stats(), policy=loop.policy.estimates())
+    try:
+        overrides = client.hgetall(control_key)
+    except REDIS_ERRORS:
+        return
+    if overrides:
+        loop.apply_control({k.decode(): int(v) for k, v in overrides.items()})
 
 
 def _retry(action: Callable[[], None]) -> None:
