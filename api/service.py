@@ -76,6 +76,7 @@ class InferenceService:
                 prio=priority,
                 inputs=parsed.inputs,
                 outputs=parsed.outputs,
+                params=_cost(parsed),
             )
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
                                   parsed.rows, config.queue.max_queue_rows)
@@ -105,3 +106,13 @@ class InferenceService:
     def _count(self, model: str, outcome: str, started: float) -> None:
         self.metrics.requests.labels(model, outcome).inc()
         self.metrics.duration.labels(model).observe(time.perf_counter() - started)
+
+
+def _cost(parsed: InferRequest) -> dict[str, float]:
+    """``parameters.cost`` (tokens, pixels...) travels to the batch former's cost bound."""
+    cost = parsed.parameters.get("cost")
+    if cost is None:
+        return {}
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or cost <= 0:
+        raise InvalidInput(f"parameters.cost must be a positive number, got {cost!r}")
+    return {"cost": float(cost)}

@@ -22,6 +22,10 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    pad_axis: int | None = None
+    """Inputs: a variable axis padded to the longest in a batch, so ragged requests share
+    one. Outputs: the axis that follows the padded input axis, cut back per request."""
+    pad_value: float = 0
 
     def describe(self) -> str:
         return f"{self.name} {self.datatype} {list(self.shape)}"
@@ -59,6 +63,8 @@ class ModelConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     execution_timeout_s: float = 60.0
+    max_batch_cost: float | None = None
+    """Bound on the summed ``parameters.cost`` of the requests in one batch."""
     max_deliveries: int = 3
     """Deliveries of one entry (each a process that took it and died) before dead-lettering."""
     instances: tuple[InstanceGroup, ...] = (InstanceGroup(),)
@@ -74,7 +80,8 @@ class ModelConfig:
     def from_dict(cls, name: str, raw: dict[str, Any], backend: str | None = None) -> ModelConfig:
         """Parse a ``config.yaml`` mapping; ``backend`` is the one inferred from the artifact."""
         known = {"backend", "max_batch_size", "inputs", "outputs", "batching", "queue",
-                 "execution_timeout_s", "max_deliveries", "instances", "parameters", "platform"}
+                 "execution_timeout_s", "max_deliveries", "max_batch_cost", "instances",
+                 "parameters", "platform"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{name}: unknown keys {sorted(unknown)}")
@@ -95,6 +102,7 @@ class ModelConfig:
             queue=queue,
             execution_timeout_s=float(raw.get("execution_timeout_s", 60.0)),
             max_deliveries=_int(name, "max_deliveries", raw.get("max_deliveries", 3), minimum=1),
+            max_batch_cost=_cost(name, raw.get("max_batch_cost")),
             instances=tuple(
                 InstanceGroup(**_section(name, f"instances[{i}]", item, InstanceGroup))
                 for i, item in enumerate(raw.get("instances") or [{}])
@@ -107,6 +115,14 @@ def _int(model: str, key: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{model}: {key} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _cost(model: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"{model}: max_batch_cost must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _section(model: str, key: str, raw: Any, kind: Any) -> dict[str, Any]:
@@ -135,5 +151,13 @@ def _tensors(model: str, key: str, raw: list[Any]) -> tuple[TensorSpec, ...]:
         shape = tuple(int(d) for d in item["shape"])
         if not shape or any(d < -1 or d == 0 for d in shape):
             raise ConfigError(f"{where}: shape needs the batch dim first and dims > 0 or -1")
-        specs.append(TensorSpec(str(item["name"]), str(item["datatype"]), shape))
+        pad = item.get("pad")
+        axis = None
+        if pad is not None:
+            axis = pad.get("axis") if isinstance(pad, dict) else None
+            if not isinstance(axis, int) or not 1 <= axis < len(shape) or shape[axis] != -1:
+                raise ConfigError(f"{where}: pad.axis must name a variable (-1) axis after the "
+                                  "batch dim")
+        specs.append(TensorSpec(str(item["name"]), str(item["datatype"]), shape, axis,
+                                float(pad.get("value", 0)) if pad else 0))
     return tuple(specs)

@@ -57,10 +57,6 @@ class Request:
     def rows(self) -> int:
         return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
 
-    def shape_key(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """Requests may share a batch only when every non-batch dim agrees."""
-        return tuple((t.name, t.shape[1:]) for t in self.inputs)
-
     def encode(self) -> bytes:
         packed: bytes = msgpack.packb(
             [self.id, self.reply, self.deadline_ms, self.enq_ms, self.prio,

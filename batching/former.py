@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from batching.config import ModelConfig
 from batching.envelope import Request, split_rows
 from batching.policy import Decision, Policy
 
@@ -38,38 +39,108 @@ class Entry:
     def deadline(self) -> float:
         return self.request.deadline_ms / 1000.0
 
+    @property
+    def cost(self) -> float:
+        return float(self.request.params.get("cost", self.rows))
+
+
+ShapeKey = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which axes may differ between requests of one batch (padded), from the config."""
+
+    pad: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """input name -> (axis, pad value)"""
+    unpad: dict[str, int] = field(default_factory=dict)
+    """output name -> the axis to cut back to each request's own length"""
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Layout:
+        return cls({t.name: (t.pad_axis, t.pad_value) for t in config.inputs
+                    if t.pad_axis is not None},
+                   {t.name: t.pad_axis for t in config.outputs if t.pad_axis is not None})
+
+    def key(self, request: Request) -> ShapeKey:
+        """Requests stack together only when this agrees: every dim but padded axes."""
+        parts = []
+        for tensor in request.inputs:
+            dims = list(tensor.shape[1:])
+            if tensor.name in self.pad:
+                dims[self.pad[tensor.name][0] - 1] = -1
+            parts.append((tensor.name, tuple(dims)))
+        return tuple(parts)
+
+    def length(self, request: Request) -> int | None:
+        """The request's own length along the first padded input's axis."""
+        for tensor in request.inputs:
+            if tensor.name in self.pad:
+                return tensor.shape[self.pad[tensor.name][0]]
+        return None
+
 
 @dataclass(slots=True)
 class Batch:
     entries: list[Entry]
     reason: str
+    layout: Layout = field(default_factory=Layout)
 
     @property
     def rows(self) -> int:
         return sum(e.rows for e in self.entries)
 
     def stacked_inputs(self) -> dict[str, npt.NDArray[Any]]:
-        """Concatenate each input along the batch axis, in entry order."""
+        """Concatenate each input along the batch axis, in entry order, padding declared
+        variable axes to the longest in the batch."""
         first = self.entries[0].request.inputs
         if len(self.entries) == 1:
             return {t.name: t.array() for t in first}
-        return {
-            t.name: np.concatenate([e.request.inputs[i].array() for e in self.entries])
-            for i, t in enumerate(first)
-        }
+        stacked = {}
+        for i, tensor in enumerate(first):
+            parts = [e.request.inputs[i].array() for e in self.entries]
+            if tensor.name in self.layout.pad:
+                parts = _pad_to_longest(parts, *self.layout.pad[tensor.name])
+            stacked[tensor.name] = np.concatenate(parts)
+        return stacked
 
     def split(self, outputs: dict[str, npt.NDArray[Any]]) -> list[dict[str, npt.NDArray[Any]]]:
-        """Per entry, its own rows of every output."""
+        """Per entry, its own rows of every output, cut back to its own padded length."""
         counts = [e.rows for e in self.entries]
         per_output = {name: split_rows(arr, counts) for name, arr in outputs.items()}
-        return [{name: parts[i] for name, parts in per_output.items()}
-                for i in range(len(self.entries))]
+        result = []
+        for i, entry in enumerate(self.entries):
+            own = {name: parts[i] for name, parts in per_output.items()}
+            length = self.layout.length(entry.request)
+            for name, axis in self.layout.unpad.items():
+                if name in own and length is not None:
+                    own[name] = np.take(own[name], np.arange(length), axis=axis)
+            result.append(own)
+        return result
+
+
+def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
+                    value: float) -> list[npt.NDArray[Any]]:
+    longest = max(p.shape[axis] for p in parts)
+    padded = []
+    for part in parts:
+        missing = longest - part.shape[axis]
+        if missing:
+            widths = [(0, 0)] * part.ndim
+            widths[axis] = (0, missing)
+            part = np.pad(part, widths, constant_values=value)
+        padded.append(part)
+    return padded
 
 
 @dataclass(slots=True)
 class BatchFormer:
     policy: Policy
     max_rows: int
+    layout: Layout = field(default_factory=Layout)
+    max_cost: float | None = None
+    """Bound on the summed ``cost`` parameter of a batch's requests (a request's cost
+    defaults to its rows)."""
     _pending: list[Entry] = field(default_factory=list)
 
     @property
@@ -92,8 +163,8 @@ class BatchFormer:
         return expired
 
     def _head_group(self) -> list[Entry]:
-        key = self._pending[0].request.shape_key()
-        return [e for e in self._pending if e.request.shape_key() == key]
+        key = self.layout.key(self._pending[0].request)
+        return [e for e in self._pending if self.layout.key(e.request) == key]
 
     def decide(self, now: float) -> Decision:
         if not self._pending:
@@ -115,12 +186,16 @@ class BatchFormer:
         limit = min(self.max_rows, max_rows or self.max_rows)
         chosen: list[Entry] = []
         rows = 0
+        cost = 0.0
         for entry in self._head_group():
             if chosen and (rows + entry.rows > limit or entry.deliveries > 1
-                           or chosen[0].deliveries > 1):
+                           or chosen[0].deliveries > 1
+                           or (self.max_cost is not None
+                               and cost + entry.cost > self.max_cost)):
                 break
             chosen.append(entry)
             rows += entry.rows
+            cost += entry.cost
         taken = {id(e) for e in chosen}
         self._pending = [e for e in self._pending if id(e) not in taken]
-        return Batch(chosen, reason)
+        return Batch(chosen, reason, self.layout)

@@ -102,7 +102,8 @@ def echo_stack(redis_server: RedisServer, logdir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One API and one worker serving the test models; ECHO_LOG records executed rows."""
     log = tmp_path_factory.mktemp("echo") / "executed.log"
-    stack = Stack(redis_server.url, TEST_MODELS, logdir, extra_env={"ECHO_LOG": str(log)})
+    stack = Stack(redis_server.url, TEST_MODELS, logdir,
+                  extra_env={"ECHO_LOG": str(log), "CONVEYOR_MODELS": "echo,slow"})
     stack.add_api()
     stack.add_worker()
     stack.wait_ready()

@@ -3,7 +3,7 @@
 import numpy as np
 
 from batching.envelope import Request, Tensor
-from batching.former import BatchFormer, Entry
+from batching.former import BatchFormer, Entry, Layout
 from batching.policy import FixedWindow
 
 NOW = 1_000.0
@@ -107,3 +107,40 @@ def test_take_honours_a_lower_row_limit() -> None:
     f = former(max_rows=8)
     f.add([entry(n) for n in range(6)])
     assert f.take("policy", max_rows=4).rows == 4
+
+
+def padded_entry(n: int, length: int) -> Entry:
+    x = np.full((1, length), n, dtype=np.int64)
+    req = Request(str(n), "r", int((NOW + 30) * 1000), int(NOW * 1000), 2,
+                  [Tensor.from_array("tokens", x)])
+    return Entry("s", f"{n}-0", req, NOW)
+
+
+def test_padded_axis_lets_ragged_requests_share_a_batch_and_unpads_outputs() -> None:
+    layout = Layout(pad={"tokens": (1, -7)}, unpad={"per_token": 1})
+    f = BatchFormer(FixedWindow(8), 8, layout)
+    f.add([padded_entry(1, 2), padded_entry(2, 5), padded_entry(3, 3)])
+    batch = f.take("window")
+    assert len(batch.entries) == 3
+    stacked = batch.stacked_inputs()["tokens"]
+    assert stacked.shape == (3, 5)
+    assert stacked[0].tolist() == [1, 1, -7, -7, -7]
+    parts = batch.split({"per_token": stacked * 10, "pooled": stacked.sum(axis=1, keepdims=True)})
+    assert [p["per_token"].tolist() for p in parts] == [[[10, 10]], [[20] * 5], [[30] * 3]]
+    assert [p["pooled"].shape for p in parts] == [(1, 1)] * 3
+
+
+def test_unpadded_variable_dims_never_stack() -> None:
+    f = BatchFormer(FixedWindow(8), 8)
+    f.add([padded_entry(1, 2), padded_entry(2, 5)])
+    assert len(f.take("window").entries) == 1
+
+
+def test_batch_cost_bounds_a_batch() -> None:
+    f = BatchFormer(FixedWindow(8), 8, max_cost=10)
+    heavy = [entry(n) for n in range(4)]
+    for e, cost in zip(heavy, [4, 4, 4, 1], strict=True):
+        e.request.params["cost"] = cost
+    f.add(heavy)
+    assert [e.request.id for e in f.take("window").entries] == ["0", "1"]
+    assert [e.request.id for e in f.take("window").entries] == ["2", "3"]

@@ -9,7 +9,7 @@ from tests.procs import wait_for
 
 
 def test_readiness_false_without_worker_true_after_and_false_again(make_stack) -> None:
-    stack = make_stack()
+    stack = make_stack(CONVEYOR_MODELS="echo")
     url = stack.add_api()
     assert httpx.get(f"{url}/v2/health/live").status_code == 200
     assert httpx.get(f"{url}/v2/health/ready").status_code == 503
@@ -37,7 +37,7 @@ def test_never_ready_with_zero_models(make_stack, tmp_path) -> None:
 
 
 def test_two_apis_and_two_workers_share_the_streams(make_stack) -> None:
-    stack = make_stack()
+    stack = make_stack(CONVEYOR_MODELS="echo")
     urls = [stack.add_api(), stack.add_api()]
     stack.add_worker()
     stack.add_worker()

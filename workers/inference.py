@@ -25,7 +25,7 @@ from batching.config import ModelConfig
 from batching.datatypes import from_numpy
 from batching.envelope import Reply, Tensor
 from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
-from batching.former import Batch, BatchFormer, Entry
+from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import Keys
 from batching.memory import RowCap
 from batching.policy import make_policy
@@ -65,7 +65,8 @@ class InferenceLoop:
         self.shared = shared
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
-        self.former = BatchFormer(self.policy, config.max_batch_size)
+        self.former = BatchFormer(self.policy, config.max_batch_size, Layout.of(config),
+                                  config.max_batch_cost)
         self.row_cap = RowCap(config.max_batch_size)
         self.max_rows = config.max_batch_size
         self.events: BatchListener = _no_events
@@ -161,7 +162,7 @@ class InferenceLoop:
 
     def _run_entries(self, entries: list[Entry], started: float) -> list[tuple[Entry, Reply]]:
         rows = sum(e.rows for e in entries)
-        batch = Batch(entries, "")
+        batch = Batch(entries, "", self.former.layout)
         try:
             outputs = self._predict(batch.stacked_inputs(), rows)
         except ConveyorError as exc:
@@ -189,7 +190,8 @@ class InferenceLoop:
     def _oom_alone(self, entry: Entry) -> Reply:
         """One request out of memory: bisect its rows; a single row that fails, fails alone."""
         try:
-            outputs = self._predict_halves(Batch([entry], "").stacked_inputs(), entry.rows)
+            outputs = self._predict_halves(
+                Batch([entry], "", self.former.layout).stacked_inputs(), entry.rows)
         except _OutOfMemory:
             error = ModelFailure(f"model {self.config.name!r} ran out of device memory on a "
                                  "single row of this request")

@@ -1,0 +1,132 @@
+"""Batching behaviour through real Redis and workers: priorities, memory, shapes, padding."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import TEST_MODELS, Stack
+from tests.procs import wait_for
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+    log = tmp_path_factory.mktemp("batching") / "executed.log"
+    stack = Stack(redis_server.url, TEST_MODELS, logdir, extra_env={
+        "ECHO_LOG": str(log), "CONVEYOR_MODELS": "ordered,oom,ragged,padded"})
+    stack.add_api()
+    stack.add_worker()
+    stack.wait_ready(timeout=90)
+    yield stack
+    stack.stop()
+
+
+def post(stack: Stack, model: str, name: str, array: np.ndarray, datatype: str,
+         **parameters: object) -> httpx.Response:
+    body = {"inputs": [{"name": name, "datatype": datatype, "shape": list(array.shape),
+                        "data": array.ravel().tolist()}], "parameters": parameters}
+    return httpx.post(f"{stack.url}/v2/models/{model}/infer", json=body, timeout=60)
+
+
+def outputs(response: httpx.Response) -> dict[str, np.ndarray]:
+    assert response.status_code == 200, response.text
+    return {o["name"]: np.array(o["data"]).reshape(o["shape"])
+            for o in response.json()["outputs"]}
+
+
+def test_priority_one_overtakes_a_priority_three_backlog(stack: Stack) -> None:
+    log = Path(stack.extra_env["ECHO_LOG"] + ".ordered")
+    backlog = [float(v) for v in range(100, 116)]  # 8 batches of 2 at 50 ms each
+    urgent = [1.0, 2.0]
+    with ThreadPoolExecutor(len(backlog) + len(urgent)) as pool:
+        done = [pool.submit(post, stack, "ordered", "x", np.array([[v]], np.float32), "FP32",
+                            priority=3) for v in backlog]
+        wait_for(lambda: log.exists() and len(log.read_text().split()) >= 2, 10,
+                 "the backlog to start")
+        done += [pool.submit(post, stack, "ordered", "x", np.array([[v]], np.float32), "FP32",
+                             priority=1) for v in urgent]
+        assert all(f.result().status_code == 200 for f in done)
+    order = [float(v) for v in log.read_text().split()]
+    last_urgent = max(order.index(v) for v in urgent)
+    assert last_urgent < len(order) - 6, f"priority 1 waited behind the backlog: {order}"
+
+
+def test_out_of_memory_above_n_rows_serves_everything_and_learns_the_cap(stack: Stack) -> None:
+    fit = 5
+
+    def one(i: int) -> httpx.Response:
+        rows = 1 + i % 3
+        return post(stack, "oom", "x", np.full((rows, 2), i, np.float32), "FP32")
+
+    with ThreadPoolExecutor(24) as pool:
+        responses = list(pool.map(one, range(120)))
+    for i, response in enumerate(responses):
+        out = outputs(response)
+        np.testing.assert_array_equal(out["y"], np.full((1 + i % 3, 2), 3.0 * i))
+        assert out["batch_rows"].max() <= fit
+    stats = stack.redis().hgetall(f"{stack.prefix}:{{oom}}:stats")
+    assert int(stats[b"oom_count"]) >= 1
+
+    def caps() -> list[int]:
+        beats = stack.redis().hgetall(f"{stack.prefix}:{{oom}}:workers").values()
+        return [json.loads(v)["row_cap"] for v in beats if b"row_cap" in v]
+
+    wait_for(lambda: caps() and max(caps()) <= fit, 5, "the learned cap to settle at or below N")
+
+
+def test_a_row_out_of_memory_alone_fails_alone(stack: Stack) -> None:
+    values = [-2.0, *range(1, 5)]
+    with ThreadPoolExecutor(len(values)) as pool:
+        responses = list(pool.map(
+            lambda v: post(stack, "oom", "x", np.full((1, 2), v, np.float32), "FP32"), values))
+    assert responses[0].status_code == 500
+    assert "out of device memory on a single row" in responses[0].json()["error"]
+    assert all(r.status_code == 200 for r in responses[1:])
+
+
+def test_mixed_shapes_are_never_stacked(stack: Stack) -> None:
+    widths = [2, 3, 5] * 8
+    with ThreadPoolExecutor(len(widths)) as pool:
+        responses = list(pool.map(
+            lambda w: post(stack, "ragged", "tokens", np.full((1, w), w, np.int64), "INT64"),
+            widths))
+    batched = 0
+    for width, response in zip(widths, responses, strict=True):
+        out = outputs(response)
+        assert out["batch_width"][0, 0] == width
+        np.testing.assert_array_equal(out["doubled"], np.full((1, width), 2 * width))
+        batched += out["batch_rows"][0, 0] > 1
+    assert batched, "concurrent same-shape requests should have shared batches"
+
+
+def test_padded_batches_unpad_correctly(stack: Stack) -> None:
+    lengths = [1, 4, 2, 7, 3, 5] * 4
+    barrier = threading.Barrier(len(lengths))
+
+    def one(n: int) -> httpx.Response:
+        barrier.wait()
+        return post(stack, "padded", "tokens", np.arange(1, n + 1, dtype=np.int64)[None, :],
+                    "INT64")
+
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        responses = list(pool.map(one, lengths))
+    shared = 0
+    for n, response in zip(lengths, responses, strict=True):
+        out = outputs(response)
+        np.testing.assert_array_equal(out["doubled"], 2 * np.arange(1, n + 1)[None, :])
+        shared += out["batch_width"][0, 0] > n
+    assert shared, "ragged requests should have shared padded batches"
+
+
+def test_batch_cost_parameter_is_validated(stack: Stack) -> None:
+    response = post(stack, "ragged", "tokens", np.ones((1, 2), np.int64), "INT64", cost=-1)
+    assert response.status_code == 400 and "parameters.cost" in response.json()["error"]
+    assert post(stack, "ragged", "tokens", np.ones((1, 2), np.int64), "INT64",
+                cost=3).status_code == 200
