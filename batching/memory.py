@@ -1,7 +1,9 @@
 """The learned row cap of one inference process: what its device can hold.
 
-Out of memory at n rows halves the cap (multiplicative decrease); a run of full batches
-at the cap raises it by one row (additive probe), up to ``max_batch_size``.
+Out of memory at n rows halves the cap (multiplicative decrease) and remembers n - 1 as
+the ceiling; a run of full batches at the cap raises it by one row (additive probe), up
+to the ceiling. Memory use can change (fragmentation, other models on the device), so the
+ceiling itself rises by one after a long run of full batches at it.
 """
 
 from __future__ import annotations
@@ -10,18 +12,23 @@ from dataclasses import dataclass, field
 
 PROBE_AFTER = 8
 """Full batches at the cap before trying one row more."""
+RELAX_AFTER = 256
+"""Full batches at the ceiling before trying one row above it."""
 
 
 @dataclass(slots=True)
 class RowCap:
     limit: int
     cap: int = field(default=0)
+    ceiling: int = field(default=0)
     _full_batches: int = 0
 
     def __post_init__(self) -> None:
         self.cap = self.cap or self.limit
+        self.ceiling = self.ceiling or self.limit
 
     def on_oom(self, rows: int) -> None:
+        self.ceiling = max(1, min(self.ceiling, rows - 1))
         self.cap = max(1, min(self.cap, rows) // 2)
         self._full_batches = 0
 
@@ -29,6 +36,9 @@ class RowCap:
         if rows < self.cap or self.cap >= self.limit:
             return
         self._full_batches += 1
-        if self._full_batches >= PROBE_AFTER:
+        if self.cap < self.ceiling and self._full_batches >= PROBE_AFTER:
             self.cap += 1
+            self._full_batches = 0
+        elif self._full_batches >= RELAX_AFTER:
+            self.ceiling = self.cap = min(self.limit, self.cap + 1)
             self._full_batches = 0
