@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from api.binary import tensor_from_buffer
-from api.kserve import InferRequest, check_outputs, chosen_outputs
+from api.kserve import InferRequest, check_outputs, chosen_outputs, reject_unsupported
 from api.proto import inference_pb2 as pb
 from batching.config import ModelConfig
 from batching.datatypes import to_numpy
@@ -47,8 +47,11 @@ def parse_request(request: pb.ModelInferRequest, config: ModelConfig) -> InferRe
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(f"raw_input_contents has {len(raw)} entries for "
                            f"{len(request.inputs)} inputs; give one per input, in input order")
+    for output in request.outputs:
+        reject_unsupported(f"output {output.name!r}", output.parameters)
     tensors = []
     for i, (tensor, (name, datatype, shape)) in enumerate(zip(request.inputs, heads, strict=True)):
+        reject_unsupported(f"input {name!r}", tensor.parameters)
         to_numpy(datatype)
         if raw:
             tensors.append(tensor_from_buffer(name, datatype, shape, raw[i]))

@@ -9,6 +9,7 @@ the JSON header, rendered straight from the reply's raw tensors.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +105,10 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     params = item.get("parameters") or {}
-    size = params.get("binary_data_size") if isinstance(params, dict) else None
+    if not isinstance(params, dict):
+        raise InvalidInput(f"input {name!r}: 'parameters' must be an object")
+    reject_unsupported(f"input {name!r}", params)
+    size = params.get("binary_data_size")
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
@@ -149,10 +153,25 @@ def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:
         if not isinstance(name, str):
             raise InvalidInput(f"outputs[{i}]: 'name' must be a string")
         params = item.get("parameters") or {}
-        if isinstance(params, dict) and isinstance(params.get("binary_data"), bool):
+        if not isinstance(params, dict):
+            raise InvalidInput(f"output {name!r}: 'parameters' must be an object")
+        reject_unsupported(f"output {name!r}", params)
+        if isinstance(params.get("binary_data"), bool):
             flags[name] = params["binary_data"]
         names.append(name)
     return names, flags
+
+
+UNSUPPORTED = {"shared_memory_region": "shared memory tensors",
+               "classification": "classification outputs"}
+"""Tensor parameters of Triton extensions conveyor does not implement."""
+
+
+def reject_unsupported(where: str, params: Collection[str]) -> None:
+    """Refuse a Triton extension we lack, rather than answer something the client does not expect."""
+    for key, what in UNSUPPORTED.items():
+        if key in params:
+            raise InvalidInput(f"{where}: {what} ({key!r}) are not supported by conveyor")
 
 
 def check_outputs(names: list[str], config: ModelConfig) -> list[str]:

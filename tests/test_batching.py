@@ -48,8 +48,9 @@ def test_priority_one_overtakes_a_priority_three_backlog(stack: Stack) -> None:
     with ThreadPoolExecutor(len(backlog) + len(urgent)) as pool:
         done = [pool.submit(post, stack, "ordered", "x", np.array([[v]], np.float32), "FP32",
                             priority=3) for v in backlog]
-        wait_for(lambda: log.exists() and len(log.read_text().split()) >= 2, 10,
-                 "the backlog to start")
+        backlog_stream = f"{stack.prefix}:{{ordered}}:q:3"
+        wait_for(lambda: stack.redis().xlen(backlog_stream) >= len(backlog) - 4, 10,
+                 "the backlog to queue up")
         done += [pool.submit(post, stack, "ordered", "x", np.array([[v]], np.float32), "FP32",
                              priority=1) for v in urgent]
         assert all(f.result().status_code == 200 for f in done)
@@ -60,6 +61,9 @@ def test_priority_one_overtakes_a_priority_three_backlog(stack: Stack) -> None:
 
 def test_out_of_memory_above_n_rows_serves_everything_and_learns_the_cap(stack: Stack) -> None:
     fit = 5
+    # One request larger than fits: bisected by rows, answered whole.
+    big = outputs(post(stack, "oom", "x", np.arange(16, dtype=np.float32).reshape(8, 2), "FP32"))
+    np.testing.assert_array_equal(big["y"], 3 * np.arange(16).reshape(8, 2))
 
     def one(i: int) -> httpx.Response:
         rows = 1 + i % 3

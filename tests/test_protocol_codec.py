@@ -6,6 +6,7 @@ import gzip
 import struct
 import zlib
 
+import grpc
 import numpy as np
 import orjson
 import pytest
@@ -14,7 +15,7 @@ from api.binary import compress, decompress, raw_input, tensor_from_buffer
 from api.kserve import parse_header, render
 from batching.config import ModelConfig
 from batching.envelope import Tensor
-from batching.errors import InvalidInput
+from batching.errors import InvalidInput, status_table
 
 CONFIG = ModelConfig.from_dict("m", {
     "backend": "python", "max_batch_size": 8,
@@ -101,3 +102,12 @@ def test_render_mixes_json_and_binary_outputs() -> None:
     request.binary_default = False
     body, length = render("m", request, [out])
     assert length is None and orjson.loads(body)["outputs"][0]["data"] == [1.5, 2.5]
+
+
+def test_every_error_maps_to_a_grpc_status_code() -> None:
+    table = status_table()
+    assert {code: http for code, (http, _) in table.items()} == {
+        "internal": 500, "invalid_input": 400, "not_found": 404, "overloaded": 429,
+        "unavailable": 503, "deadline_exceeded": 504, "model_failure": 500}
+    for _, name in table.values():
+        assert isinstance(grpc.StatusCode[name], grpc.StatusCode)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
+from tests.procs import free_port
 from tests.protocol_stack import (
     DATATYPES,
     assert_round_trip,
@@ -163,6 +164,10 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
         (lambda: client.get_inference_statistics("missing"), "NOT_FOUND", "unknown model"),
         (lambda: client.infer("echo", [wrong_type]), "INVALID_ARGUMENT", "datatype INT32"),
         (lambda: client.infer("echo", [item], priority=99), "INVALID_ARGUMENT", "priority"),
+        (lambda: client.infer("slow", [item], timeout=1), "DEADLINE_EXCEEDED", "deadline"),
+        (lambda: client.infer("echo", [item], outputs=[
+            grpcclient.InferRequestedOutput("y", class_count=2)]), "INVALID_ARGUMENT",
+         "classification"),
         (lambda: client.load_model("echo", config="{}"), "INVALID_ARGUMENT", "not supported"),
         (lambda: client.unload_model("missing"), "NOT_FOUND", "unknown model"),
     ]
@@ -188,3 +193,21 @@ def test_standard_health_service_and_metrics(stack: Stack) -> None:
     client.close()
     text = httpx.get(f"{stack.url}/metrics").text
     assert re.search(r'conveyor_protocol_requests_total\{protocol="grpc"\} [1-9]', text)
+
+
+def test_without_workers_grpc_answers_unavailable_and_health_not_serving(make_stack) -> None:
+    stack = make_stack(CONVEYOR_GRPC_PORT=str(free_port()), CONVEYOR_MODELS="echo")
+    stack.add_api()
+    client = grpcclient.InferenceServerClient(grpc_url(stack))
+    assert client.is_server_live() and not client.is_server_ready()
+    item = grpcclient.InferInput("x", [1, 4], "FP32")
+    item.set_data_from_numpy(np.ones((1, 4), np.float32))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("echo", [item])
+    assert caught.value.status() == "StatusCode.UNAVAILABLE"
+    assert "no worker" in caught.value.message()
+    client.close()
+    with grpc.insecure_channel(grpc_url(stack)) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                            timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING

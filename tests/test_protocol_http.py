@@ -32,6 +32,15 @@ def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
                               build_repository(tmp_path_factory.mktemp("http-repo")))
 
 
+Client = httpclient.InferenceServerClient
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[Client]:
+    with httpclient.InferenceServerClient(http_host(stack)) as made:
+        yield made
+
+
 def alltypes_inputs(arrays: dict[str, np.ndarray], binary: bool, module=httpclient) -> list:
     inputs = []
     for datatype, array in arrays.items():
@@ -53,9 +62,9 @@ def results(result) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("binary_in,binary_out", [(True, True), (True, None), (True, False),
                                                   (False, True), (False, False)])
-def test_every_datatype_round_trips(stack: Stack, binary_in: bool, binary_out: bool | None) -> None:
+def test_every_datatype_round_trips(stack: Stack, client: Client, binary_in: bool,
+                                    binary_out: bool | None) -> None:
     arrays = sample(rows=2, cols=3, seed=1)
-    client = httpclient.InferenceServerClient(http_host(stack))
     result = client.infer("alltypes", alltypes_inputs(arrays, binary_in),
                           outputs=alltypes_outputs(binary_out), request_id="rt-1")
     assert result.get_response()["id"] == "rt-1"
@@ -84,8 +93,7 @@ def test_async_client_binary_and_json_with_compression(stack: Stack) -> None:
         assert_round_trip(arrays, results(result), json_bytes=i >= 3)
 
 
-def test_bytes_empty_and_non_ascii(stack: Stack) -> None:
-    client = httpclient.InferenceServerClient(http_host(stack))
+def test_bytes_empty_and_non_ascii(stack: Stack, client: Client) -> None:
     arrays = sample(rows=1, cols=6)
     for binary in (True, False):
         result = client.infer("alltypes", alltypes_inputs(arrays, binary),
@@ -96,11 +104,10 @@ def test_bytes_empty_and_non_ascii(stack: Stack) -> None:
     assert b"" in arrays["BYTES"].ravel() and "✓".encode() in arrays["BYTES"].ravel()[1]
 
 
-def test_onnx_model_without_config_matches_onnxruntime(stack: Stack) -> None:
+def test_onnx_model_without_config_matches_onnxruntime(stack: Stack, client: Client) -> None:
     x = np.random.default_rng(3).normal(size=(5, 4)).astype(np.float32)
     session = ort.InferenceSession(str(stack.repository / "onnx_mlp" / "model.onnx"))
     want_y, want_c = session.run(["Y", "C"], {"X": x})
-    client = httpclient.InferenceServerClient(http_host(stack))
     for binary in (True, False):
         item = httpclient.InferInput("X", [5, 4], "FP32")
         item.set_data_from_numpy(x, binary_data=binary)
@@ -138,8 +145,8 @@ def test_gzip_body_and_gzip_answer_by_hand(stack: Stack) -> None:
     assert response.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
 
 
-def test_config_follows_triton_shape(stack: Stack) -> None:
-    config = httpclient.InferenceServerClient(http_host(stack)).get_model_config("echo")
+def test_config_follows_triton_shape(stack: Stack, client: Client) -> None:
+    config = client.get_model_config("echo")
     assert config["name"] == "echo" and config["backend"] == "python"
     assert config["max_batch_size"] == 32
     assert config["input"][0] == {"name": "x", "data_type": "TYPE_FP32", "format": "FORMAT_NONE",
@@ -153,8 +160,7 @@ def test_config_follows_triton_shape(stack: Stack) -> None:
     assert config["parameters"]["delay_ms"] == {"string_value": "20"}
 
 
-def test_statistics_count_requests_and_batches(stack: Stack) -> None:
-    client = httpclient.InferenceServerClient(http_host(stack))
+def test_statistics_count_requests_and_batches(stack: Stack, client: Client) -> None:
     before = client.get_inference_statistics("onnx_mlp")["model_stats"][0]
     item = httpclient.InferInput("X", [3, 4], "FP32")
     item.set_data_from_numpy(np.ones((3, 4), np.float32))
@@ -174,8 +180,7 @@ def test_statistics_count_requests_and_batches(stack: Stack) -> None:
     assert {s["name"] for s in every} == {"alltypes", "echo", "onnx_mlp", "slow"}
 
 
-def test_errors_map_to_statuses(stack: Stack) -> None:
-    client = httpclient.InferenceServerClient(http_host(stack))
+def test_errors_map_to_statuses(stack: Stack, client: Client) -> None:
     item = httpclient.InferInput("x", [1, 4], "FP32")
     item.set_data_from_numpy(np.ones((1, 4), np.float32))
     cases = [
@@ -188,6 +193,9 @@ def test_errors_map_to_statuses(stack: Stack) -> None:
         (lambda: client.infer("echo", [item], outputs=[httpclient.InferRequestedOutput("z")]),
          "400", "unknown output 'z'"),
         (lambda: client.infer("echo", [item], priority=9), "400", "priority"),
+        (lambda: client.infer("slow", [item], timeout=1), "504", "deadline"),
+        (lambda: client.infer("echo", [item], outputs=[
+            httpclient.InferRequestedOutput("y", class_count=2)]), "400", "classification"),
         (lambda: client.load_model("missing"), "404", "no model 'missing'"),
     ]
     for call, status, text in cases:
@@ -216,8 +224,7 @@ def test_bad_binary_bodies_are_400(stack: Stack) -> None:
     assert bad_gzip.status_code == 400 and "not valid gzip" in bad_gzip.json()["error"]
 
 
-def test_server_metadata_and_metrics(stack: Stack) -> None:
-    client = httpclient.InferenceServerClient(http_host(stack))
+def test_server_metadata_and_metrics(stack: Stack, client: Client) -> None:
     meta = client.get_server_metadata()
     assert meta["name"] == "conveyor" and "binary_tensor_data" in meta["extensions"]
     item = httpclient.InferInput("x", [1, 4], "FP32")

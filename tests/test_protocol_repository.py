@@ -25,6 +25,15 @@ def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
                               build_repository(tmp_path_factory.mktemp("repo-repo")))
 
 
+Client = httpclient.InferenceServerClient
+
+
+@pytest.fixture
+def http(stack: Stack) -> Iterator[Client]:
+    with httpclient.InferenceServerClient(http_host(stack), network_timeout=150) as made:
+        yield made
+
+
 def echo_input(value: float = 1.0) -> httpclient.InferInput:
     item = httpclient.InferInput("x", [1, 4], "FP32")
     item.set_data_from_numpy(np.full((1, 4), value, np.float32))
@@ -37,17 +46,16 @@ def index(stack: Stack) -> dict[str, dict]:
     return {entry["name"]: entry for entry in response.json()}
 
 
-def test_index_accepts_an_empty_body_and_lists_every_folder(stack: Stack) -> None:
+def test_index_accepts_an_empty_body_and_lists_every_folder(stack: Stack, http: Client) -> None:
     entries = index(stack)
     assert {name: e["state"] for name, e in entries.items()} == dict.fromkeys(
         ["alltypes", "echo", "onnx_mlp", "slow"], "READY")
     ready = httpx.post(f"{stack.url}/v2/repository/index", json={"ready": True}).json()
     assert {e["name"] for e in ready} == set(entries)
-    assert len(httpclient.InferenceServerClient(http_host(stack)).get_model_repository_index()) == 4
+    assert len(http.get_model_repository_index()) == 4
 
 
-def test_unload_then_load_over_both_protocols(stack: Stack) -> None:
-    http = httpclient.InferenceServerClient(http_host(stack))
+def test_unload_then_load_over_both_protocols(stack: Stack, http: Client) -> None:
     grpc = grpcclient.InferenceServerClient(grpc_url(stack))
     http.unload_model("echo")
     with pytest.raises(InferenceServerException) as caught:
@@ -67,13 +75,12 @@ def test_unload_then_load_over_both_protocols(stack: Stack) -> None:
     grpc.close()
 
 
-def test_in_flight_requests_finish_across_an_unload(stack: Stack) -> None:
+def test_in_flight_requests_finish_across_an_unload(stack: Stack, http: Client) -> None:
     """The slow model takes 600 ms a batch; it is unloaded while one request runs."""
     def infer_in_thread() -> np.ndarray:
-        client = httpclient.InferenceServerClient(http_host(stack), network_timeout=60)
-        return client.infer("slow", [echo_input(5.0)]).as_numpy("y")
+        with httpclient.InferenceServerClient(http_host(stack), network_timeout=60) as client:
+            return client.infer("slow", [echo_input(5.0)]).as_numpy("y")
 
-    http = httpclient.InferenceServerClient(http_host(stack), network_timeout=60)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(infer_in_thread)
         time.sleep(0.3)
@@ -86,8 +93,7 @@ def test_in_flight_requests_finish_across_an_unload(stack: Stack) -> None:
     assert http.infer("slow", [echo_input(1.0)]).as_numpy("y")[0, 0] == 2.0
 
 
-def test_hot_load_of_a_new_folder_and_a_broken_one(stack: Stack) -> None:
-    http = httpclient.InferenceServerClient(http_host(stack), network_timeout=150)
+def test_hot_load_of_a_new_folder_and_a_broken_one(stack: Stack, http: Client) -> None:
     shutil.copytree(TEST_MODELS / "echo", stack.repository / "echo_late")
     assert index(stack)["echo_late"] == {"name": "echo_late", "version": "1",
                                          "state": "UNAVAILABLE", "reason": "not loaded"}
@@ -109,12 +115,15 @@ def test_hot_load_of_a_new_folder_and_a_broken_one(stack: Stack) -> None:
     assert entry["state"] == "UNAVAILABLE" and "max_batch_size" in entry["reason"]
 
 
-def test_a_second_api_process_follows_the_repository_hash(stack: Stack) -> None:
+def test_a_second_api_process_follows_the_repository_hash(stack: Stack, http: Client) -> None:
     other = stack.add_api()
-    client = httpclient.InferenceServerClient(other.removeprefix("http://"))
-    wait_for(lambda: client.is_model_ready("alltypes"), 30, "the second API to see workers")
-    httpclient.InferenceServerClient(http_host(stack)).unload_model("alltypes")
+
+    def ready_there() -> bool:
+        return httpx.get(f"{other}/v2/models/alltypes/ready").status_code == 200
+
+    wait_for(ready_there, 30, "the second API to see workers")
+    http.unload_model("alltypes")
     wait_for(lambda: httpx.get(f"{other}/v2/models/alltypes").status_code == 404, 10,
              "the second API to drop the unloaded model")
-    httpclient.InferenceServerClient(http_host(stack)).load_model("alltypes")
-    wait_for(lambda: client.is_model_ready("alltypes"), 30, "the second API to load it again")
+    http.load_model("alltypes")
+    wait_for(ready_there, 30, "the second API to load it again")

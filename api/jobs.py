@@ -1,0 +1,227 @@
+"""Async jobs over HTTP: ``/v1/jobs`` (see docs/jobs.md).
+
+``POST /v1/jobs`` validates the inputs against the model's signature like an infer
+request (any number of rows, up to ``job_max_bytes`` of body), stores the job in Redis
+and sends its Celery task to ``cv.jobs``; ``GET`` reads the job's record or result;
+``DELETE`` cancels it. The job's chunks then travel the same streams as interactive
+requests, at the job's priority (by default the model's lowest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+from urllib.parse import urlparse
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+
+from api.kserve import InferRequest, parse_header, render
+from api.service import InferenceService
+from batching.config import ModelConfig
+from batching.envelope import Reply
+from batching.errors import InvalidInput, ModelNotFound, Unavailable
+from batching.jobs import (
+    JOB_TASK,
+    TRANSITION_LUA,
+    UNFINISHED,
+    JobRecord,
+    JobState,
+    join_chunks,
+    pack_tensors,
+    unpack_tensors,
+)
+from batching.settings import Settings
+from workers.app import app as celery_app
+from workers.job_runner import WAKE
+
+log = logging.getLogger(__name__)
+
+JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_JOB_ROWS = 2**31
+"""Rows are bounded by the body size (``job_max_bytes``), not by the model's batch size."""
+HEADER_LENGTH = "inference-header-content-length"
+BINARY_TYPE = "application/octet-stream"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
+    """The ``/v1/jobs`` routes, over the API's Redis connection and models."""
+    router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+    keys = service.keys
+    transition = service.dispatcher.redis.register_script(TRANSITION_LUA)
+
+    def record_key(job_id: str) -> str:
+        if not JOB_ID.match(job_id):
+            raise ModelNotFound(f"unknown job {job_id!r}")
+        return keys.job(job_id)
+
+    async def load(job_id: str) -> JobRecord:
+        try:
+            raw = await service.dispatcher.redis.hgetall(record_key(job_id))
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+        if not raw:
+            raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
+        return JobRecord.from_hash(job_id, raw)
+
+    @router.post("", status_code=202)
+    async def submit(request: Request) -> Response:
+        try:
+            body = await _read_body(request, settings.job_max_bytes)
+        except BodyTooLarge:
+            return JSONResponse({"error": f"a job body may hold at most {settings.job_max_bytes} "
+                                          "bytes (CONVEYOR_JOB_MAX_BYTES)"}, status_code=413)
+        header, binary = _split(body, request.headers.get(HEADER_LENGTH))
+        model = _json_object(header).get("model")
+        if not isinstance(model, str):
+            raise InvalidInput("'model' must name the model to run")
+        config = service.model(model)
+        parsed = parse_header(header, binary, replace(config, max_batch_size=MAX_JOB_ROWS))
+        record = JobRecord(
+            id=uuid.uuid4().hex, model=model, state=JobState.PENDING, total=parsed.rows,
+            priority=_priority(parsed, config),
+            chunk_rows=min(settings.job_chunk_rows or config.max_batch_size,
+                           config.max_batch_size),
+            max_queue_rows=config.queue.max_queue_rows, created_at=time.time(),
+            outputs=parsed.outputs, callback_url=_callback_url(parsed))
+        await _store(record, pack_tensors(parsed.inputs))
+        try:
+            await asyncio.to_thread(celery_app.send_task, JOB_TASK, args=[record.id],
+                                    task_id=record.id)
+        except Exception as exc:  # the broker is Redis: unreachable, most likely
+            await _forget(record.id)
+            raise Unavailable(f"could not queue the job: {exc}") from None
+        status_url = f"/v1/jobs/{record.id}"
+        return JSONResponse({"id": record.id, "status_url": status_url}, status_code=202,
+                            headers={"Location": status_url})
+
+    async def _store(record: JobRecord, inputs: bytes) -> None:
+        ttl = settings.job_result_ttl_s
+        pipe = service.dispatcher.redis.pipeline(transaction=False)
+        pipe.set(keys.job_input(record.id), inputs, ex=ttl)
+        pipe.hset(keys.job(record.id), mapping=record.to_hash())
+        pipe.expire(keys.job(record.id), ttl)
+        pipe.sadd(keys.jobs_active(), record.id)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+
+    async def _forget(job_id: str) -> None:
+        try:
+            await service.dispatcher.redis.delete(keys.job(job_id), keys.job_input(job_id))
+            await service.dispatcher.redis.srem(keys.jobs_active(), job_id)
+        except (RedisError, OSError) as exc:
+            log.warning("could not remove unqueued job %s: %s", job_id, exc)
+
+    @router.get("/{job_id}")
+    async def status(job_id: str) -> dict[str, Any]:
+        return (await load(job_id)).view()
+
+    @router.get("/{job_id}/result")
+    async def result(job_id: str, request: Request, binary_data_output: bool = False) -> Response:
+        """All rows in order, as a KServe v2 response; binary tensors if asked for
+        (``?binary_data_output=true`` or ``Accept: application/octet-stream``)."""
+        record = await load(job_id)
+        if record.state is not JobState.SUCCEEDED:
+            detail = f": {record.error}" if record.error else ""
+            return JSONResponse({"error": f"job {job_id} is {record.state.value}{detail}; "
+                                          "only a SUCCEEDED job has a result",
+                                 "state": record.state.value}, status_code=409)
+        chunks = await service.dispatcher.redis.hgetall(keys.job_chunks(job_id))
+        if len(chunks) != record.chunks:
+            raise ModelNotFound(f"the result of job {job_id} expired")
+        ordered = [unpack_tensors(chunks[str(i).encode()]) for i in range(record.chunks)]
+        binary = binary_data_output or BINARY_TYPE in request.headers.get("accept", "")
+        shape = InferRequest(id=job_id, inputs=[], rows=record.total, binary_default=binary)
+        content, json_length = render(record.model, shape, join_chunks(ordered))
+        if json_length is None:
+            return Response(content, media_type="application/json")
+        return Response(content, media_type=BINARY_TYPE,
+                        headers={HEADER_LENGTH: str(json_length)})
+
+    @router.delete("/{job_id}")
+    async def cancel(job_id: str) -> Response:
+        """Cancel an unfinished job: feeding stops at once, chunks in flight are discarded."""
+        redis = service.dispatcher.redis
+        before = await transition(keys=[record_key(job_id)],
+                                  args=[JobState.CANCELLED, UNFINISHED, "finished_at",
+                                        repr(time.time())])
+        if before is None:
+            raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
+        state = JobState(before.decode())
+        if state is JobState.RUNNING:  # wake its task, which withdraws what is in flight
+            await redis.rpush(keys.job_replies(job_id), Reply(WAKE).encode())
+        elif state is JobState.PENDING:  # its task, when it starts, only reports it
+            await redis.delete(keys.job_input(job_id))
+            await redis.srem(keys.jobs_active(), job_id)
+        elif state is not JobState.CANCELLED:
+            return JSONResponse({"error": f"job {job_id} already ended {state.value}",
+                                 "state": state.value}, status_code=409)
+        return JSONResponse((await load(job_id)).view())
+
+    return router
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _split(body: bytes, header_length: str | None) -> tuple[memoryview, memoryview]:
+    """The JSON header and the binary tensors after it (binary tensor extension)."""
+    view = memoryview(body)
+    if header_length is None:
+        return view, view[:0]
+    if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
+        raise InvalidInput(f"Inference-Header-Content-Length {header_length!r} does not fit a "
+                           f"body of {len(body)} bytes")
+    length = int(header_length)
+    return view[:length], view[length:]
+
+
+def _json_object(header: memoryview) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body must be a JSON object")
+    return doc
+
+
+def _priority(parsed: InferRequest, config: ModelConfig) -> int:
+    """``parameters.priority``: 1 (highest) .. priority_levels; 0 or absent: the lowest."""
+    raw = parsed.parameters.get("priority", 0)
+    levels = config.queue.priority_levels
+    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= levels:
+        raise InvalidInput(f"parameters.priority must be an integer in 0..{levels} "
+                           f"(0 = the lowest, {levels}), got {raw!r}")
+    return raw or levels
+
+
+def _callback_url(parsed: InferRequest) -> str:
+    url = parsed.parameters.get("callback_url") or ""
+    if not isinstance(url, str) or (url and urlparse(url).scheme not in ("http", "https")):
+        raise InvalidInput(f"parameters.callback_url must be an http(s) URL, got {url!r}")
+    return url
