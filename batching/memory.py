@@ -1,7 +1,7 @@
 """The learned row cap of one inference process: what its device can hold.
 
-Out of memory at n rows halves the cap (multiplicative decrease) and remembers n - 1 as
-the ceiling; a run of full batches at the cap raises it by one row (additive probe), up
+Out of memory at n rows (n within the cap) halves the cap (multiplicative decrease) and
+remembers n - 1 as the ceiling; a run of full batches at the cap raises it by one row (additive probe), up
 to the ceiling. Memory use can change (fragmentation, other models on the device), so the
 ceiling itself rises by one after a long run of full batches at it.
 """
@@ -28,8 +28,11 @@ class RowCap:
         self.ceiling = self.ceiling or self.limit
 
     def on_oom(self, rows: int) -> None:
+        """``rows`` did not fit. A batch larger than the cap (formed before the cap fell,
+        or the other half of one being bisected) says nothing new about the cap."""
         self.ceiling = max(1, min(self.ceiling, rows - 1))
-        self.cap = max(1, min(self.cap, rows) // 2)
+        if rows <= self.cap:
+            self.cap = max(1, rows // 2)
         self._full_batches = 0
 
     def on_success(self, rows: int) -> None:

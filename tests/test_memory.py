@@ -34,3 +34,10 @@ def test_cap_never_below_one_nor_above_the_limit() -> None:
     assert cap.cap == 1
     full_batches(cap, 10 * RELAX_AFTER)
     assert cap.cap == 2
+
+
+def test_bisecting_one_oversized_batch_lowers_the_cap_once_per_size() -> None:
+    cap = RowCap(limit=64)
+    for rows in (64, 32, 32, 16, 16, 16, 16):  # halves of halves, all too big
+        cap.on_oom(rows)
+    assert cap.cap == 8 and cap.ceiling == 15
