@@ -8,9 +8,15 @@ each model's stream lengths, and the totals the workers keep in its stats hash.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -29,7 +35,20 @@ WORKER_TOTALS = (
      "Entries reclaimed from a dead consumer and delivered again"),
     ("conveyor_dead_letter_total", "dead_letter_count",
      "Requests moved to the dead-letter stream past the delivery limit"),
+    ("conveyor_worker_restarts_total", "restart_count",
+     "Inference processes replaced after they died, hung or failed to load"),
 )
+WORKER_GAUGES = (
+    ("conveyor_row_cap", ("row_cap",), "Learned row cap of an inference process (out of memory "
+     "halves it, full batches probe it back up)"),
+    ("conveyor_policy_arrival_rate", ("policy", "arrival_rate_per_s"),
+     "Arrival rate (rows/s) the batching policy estimates"),
+    ("conveyor_policy_latency_intercept_seconds", ("policy", "latency_a_s"),
+     "Fixed cost a of the policy's batch latency model t(n) = a + b*n"),
+    ("conveyor_policy_latency_slope_seconds", ("policy", "latency_b_s_per_row"),
+     "Per-row cost b of the policy's batch latency model t(n) = a + b*n"),
+)
+"""Per-process figures from heartbeats, labelled by model and consumer."""
 """Counters the workers keep in each model's stats hash, exposed here per model."""
 
 
@@ -39,6 +58,7 @@ class _SharedState(Collector):
     def __init__(self) -> None:
         self.depth: dict[tuple[str, str], int] = {}
         self.totals: dict[str, dict[str, int]] = {}
+        self.beats: dict[str, list[dict[str, Any]]] = {}
 
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily(
@@ -53,6 +73,60 @@ class _SharedState(Collector):
             for model, counters in sorted(self.totals.items()):
                 family.add_metric([model], counters.get(key, 0))
             yield family
+        yield from self._decisions()
+        yield from self._gauges()
+
+    def _decisions(self) -> Iterator[Metric]:
+        """Why batches were dispatched, how long they waited and how long they ran."""
+        reasons = CounterMetricFamily(
+            "conveyor_batches", "Executed batches by why they were dispatched (full, window, "
+            "deadline, policy, drain)", labels=["model", "reason"])
+        wait = CounterMetricFamily(
+            "conveyor_batch_wait_seconds", "Time batches waited between the first entry read "
+            "and dispatch, summed", labels=["model"])
+        execution = SummaryMetricFamily(
+            "conveyor_batch_execution_seconds", "Time the model took per executed batch",
+            labels=["model"])
+        for model, counters in sorted(self.totals.items()):
+            for key, value in sorted(counters.items()):
+                if key.startswith("reason:"):
+                    reasons.add_metric([model, key.removeprefix("reason:")], value)
+            wait.add_metric([model], counters.get("wait_ns", 0) / 1e9)
+            busy_ns = sum(v for k, v in counters.items()
+                          if k.startswith("batch:") and k.endswith(":ns"))
+            execution.add_metric([model], counters.get("execution_count", 0), busy_ns / 1e9)
+        yield from (reasons, wait, execution)
+
+    def _gauges(self) -> Iterator[Metric]:
+        for name, path, text in WORKER_GAUGES:
+            family = GaugeMetricFamily(name, text, labels=["model", "consumer"])
+            for model, beats in sorted(self.beats.items()):
+                for beat in beats:
+                    value = _dig(beat, path)
+                    if isinstance(value, int | float):
+                        family.add_metric([model, str(beat.get("consumer", ""))], value)
+            yield family
+        used = GaugeMetricFamily("conveyor_gpu_memory_used_bytes", "GPU memory in use",
+                                 labels=["host", "device"])
+        total = GaugeMetricFamily("conveyor_gpu_memory_total_bytes", "GPU memory in all",
+                                  labels=["host", "device"])
+        seen = set()
+        for beats in self.beats.values():
+            for beat in beats:
+                memory = beat.get("gpu_memory")
+                where = (str(beat.get("host", "")), str(beat.get("device", "")))
+                if isinstance(memory, dict) and where not in seen:
+                    seen.add(where)
+                    used.add_metric(list(where), memory.get("used", 0))
+                    total.add_metric(list(where), memory.get("total", 0))
+        yield from (used, total)
+
+
+def _dig(beat: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = beat
+    for key in path:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
 
 
 class ApiMetrics:
@@ -78,8 +152,13 @@ class ApiMetrics:
         self._shared = _SharedState()
         self.registry.register(self._shared)
 
-    async def refresh(self, redis: Redis, keys: Keys, models: Mapping[str, ModelConfig]) -> None:
-        """Read stream lengths and worker totals (one round trip); keep the last on failure."""
+    async def refresh(self, redis: Redis, keys: Keys, models: Mapping[str, ModelConfig],
+                      beats: Mapping[str, list[dict[str, Any]]]) -> None:
+        """Read stream lengths and worker totals (one round trip); keep the last on failure.
+
+        ``beats``: each model's fresh heartbeats, as the API's worker watch last read them.
+        """
+        self._shared.beats = dict(beats)
         names = sorted(models)
         pipe = redis.pipeline(transaction=False)
         streams = [(model, p) for model in names

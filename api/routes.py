@@ -135,5 +135,6 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await service.metrics.refresh(service.dispatcher.redis, service.keys, service.models)
+        await service.metrics.refresh(service.dispatcher.redis, service.keys, service.models,
+                                      {m: w.states for m, w in service.watch.view.items()})
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -134,3 +135,20 @@ def test_batch_cost_parameter_is_validated(stack: Stack) -> None:
     assert response.status_code == 400 and "parameters.cost" in response.json()["error"]
     assert post(stack, "ragged", "tokens", np.ones((1, 2), np.int64), "INT64",
                 cost=3).status_code == 200
+
+
+def test_metrics_explain_batching_decisions(stack: Stack) -> None:
+    post(stack, "ragged", "tokens", np.ones((1, 2), np.int64), "INT64")
+
+    def scraped() -> str:
+        return httpx.get(f"{stack.url}/metrics").text
+
+    wait_for(lambda: 'conveyor_policy_arrival_rate{consumer=' in scraped(), 10,
+             "policy estimates in the metrics")
+    text = scraped()
+    assert re.search(r'conveyor_batches_total\{model="ragged",reason="\w+"\} [1-9]', text)
+    assert 'conveyor_batch_wait_seconds_total{model="ragged"}' in text
+    assert re.search(r'conveyor_batch_execution_seconds_count\{model="ragged"\} [1-9]', text)
+    assert re.search(r'conveyor_row_cap\{consumer="[^"]+",model="oom"\} [1-5]\.0', text)
+    assert 'conveyor_oom_total{model="oom"}' in text
+    assert 'conveyor_worker_restarts_total{model="ragged"} 0.0' in text

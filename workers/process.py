@@ -20,6 +20,7 @@ from batching.keys import Keys
 from batching.repository import load_model_config
 from batching.settings import Settings
 from workers.backends import load_model
+from workers.events import make_batch_events
 from workers.heartbeat import Heartbeat
 from workers.inference import BLOCK_MS, FATAL_EXIT_CODE, DeviceLost, InferenceLoop
 from workers.recovery import Reclaimer
@@ -53,6 +54,7 @@ def serve(model_name: str, device: str, index: int, shared: SharedState) -> None
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
     loop = InferenceLoop(config, load_model(config, folder, device), streams, reclaimer,
                          shared, keys)
+    loop.events = make_batch_events(model_name, settings)
 
     def stop(_signum: int, _frame: object) -> None:
         loop.stopping = True
@@ -92,12 +94,24 @@ def _report_and_follow(loop: InferenceLoop, heartbeat: Heartbeat, client: redis.
                        control_key: str) -> None:
     """Publish the loop's figures with the next heartbeat; apply run-time overrides."""
     heartbeat.info.update(loop.stats(), policy=loop.policy.estimates())
+    memory = gpu_memory(heartbeat.info["device"])
+    if memory:
+        heartbeat.info["gpu_memory"] = memory
     try:
         overrides = client.hgetall(control_key)
     except REDIS_ERRORS:
         return
     if overrides:
         loop.apply_control({k.decode(): int(v) for k, v in overrides.items()})
+
+
+def gpu_memory(device: str) -> dict[str, int] | None:
+    """Used and total bytes of a CUDA device, when torch drives it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"used": int(total - free), "total": int(total)}
 
 
 def _retry(action: Callable[[], None]) -> None:
