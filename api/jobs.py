@@ -14,6 +14,8 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
@@ -32,6 +34,7 @@ from batching.jobs import (
     JOB_TASK,
     TRANSITION_LUA,
     UNFINISHED,
+    WAKE,
     JobRecord,
     JobState,
     join_chunks,
@@ -40,7 +43,6 @@ from batching.jobs import (
 )
 from batching.settings import Settings
 from workers.app import app as celery_app
-from workers.job_runner import WAKE
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +69,8 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         return keys.job(job_id)
 
     async def load(job_id: str) -> JobRecord:
-        try:
+        with _redis_guard():
             raw = await service.dispatcher.redis.hgetall(record_key(job_id))
-        except (RedisError, OSError) as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
         if not raw:
             raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
         return JobRecord.from_hash(job_id, raw)
@@ -113,10 +113,8 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         pipe.hset(keys.job(record.id), mapping=record.to_hash())
         pipe.expire(keys.job(record.id), ttl)
         pipe.sadd(keys.jobs_active(), record.id)
-        try:
+        with _redis_guard():
             await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
 
     async def _forget(job_id: str) -> None:
         try:
@@ -139,7 +137,8 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             return JSONResponse({"error": f"job {job_id} is {record.state.value}{detail}; "
                                           "only a SUCCEEDED job has a result",
                                  "state": record.state.value}, status_code=409)
-        chunks = await service.dispatcher.redis.hgetall(keys.job_chunks(job_id))
+        with _redis_guard():
+            chunks = await service.dispatcher.redis.hgetall(keys.job_chunks(job_id))
         if len(chunks) != record.chunks:
             raise ModelNotFound(f"the result of job {job_id} expired")
         ordered = [unpack_tensors(chunks[str(i).encode()]) for i in range(record.chunks)]
@@ -155,23 +154,35 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
     async def cancel(job_id: str) -> Response:
         """Cancel an unfinished job: feeding stops at once, chunks in flight are discarded."""
         redis = service.dispatcher.redis
-        before = await transition(keys=[record_key(job_id)],
-                                  args=[JobState.CANCELLED, UNFINISHED, "finished_at",
-                                        repr(time.time())])
-        if before is None:
-            raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
-        state = JobState(before.decode())
-        if state is JobState.RUNNING:  # wake its task, which withdraws what is in flight
-            await redis.rpush(keys.job_replies(job_id), Reply(WAKE).encode())
-        elif state is JobState.PENDING:  # its task, when it starts, only reports it
-            await redis.delete(keys.job_input(job_id))
-            await redis.srem(keys.jobs_active(), job_id)
-        elif state is not JobState.CANCELLED:
+        with _redis_guard():
+            before = await transition(keys=[record_key(job_id)],
+                                      args=[JobState.CANCELLED, UNFINISHED, "finished_at",
+                                            repr(time.time())])
+            if before is None:
+                raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
+            state = JobState(before.decode())
+            if state is JobState.RUNNING:  # wake its task, which withdraws what is in flight
+                pipe = redis.pipeline(transaction=False)
+                pipe.rpush(keys.job_replies(job_id), Reply(WAKE).encode())
+                pipe.expire(keys.job_replies(job_id), settings.job_result_ttl_s)
+                await pipe.execute()
+            elif state is JobState.PENDING:  # its task, when it starts, only reports it
+                await redis.delete(keys.job_input(job_id))
+                await redis.srem(keys.jobs_active(), job_id)
+        if state in (JobState.SUCCEEDED, JobState.FAILED):
             return JSONResponse({"error": f"job {job_id} already ended {state.value}",
                                  "state": state.value}, status_code=409)
         return JSONResponse((await load(job_id)).view())
 
     return router
+
+
+@contextmanager
+def _redis_guard() -> Iterator[None]:
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise Unavailable(f"Redis is unreachable: {exc}") from None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -14,6 +14,7 @@ from api.dispatch import Dispatcher
 from api.grpc_server import GrpcEndpoint
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
+from api.jobs import jobs_router
 from api.metrics import ApiMetrics
 from api.repository import Repository
 from api.routes import VERSION, add_routes
@@ -55,6 +56,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
 
     app = FastAPI(title="conveyor", version=VERSION, lifespan=lifespan)
     add_routes(app, service, repository)
+    app.include_router(jobs_router(service, settings))
     return InferRoute(app, service)
 
 

@@ -50,3 +50,35 @@ class Keys:
     def workers(self, model: str) -> str:
         """Hash: consumer name -> heartbeat JSON."""
         return f"{self.prefix}:{{{model}}}:workers"
+
+    def job(self, job_id: str) -> str:
+        """Hash of one async job: model, state, progress, timestamps, error, parameters.
+
+        ``{job_id}`` is the job's hash tag: every key of one job lives on one slot.
+        """
+        return f"{self.prefix}:job:{{{job_id}}}"
+
+    def job_input(self, job_id: str) -> str:
+        """The job's input tensors, packed (deleted when the job ends)."""
+        return f"{self.job(job_id)}:input"
+
+    def job_chunks(self, job_id: str) -> str:
+        """Hash: chunk index -> packed output tensors; the result once the job succeeds."""
+        return f"{self.job(job_id)}:chunks"
+
+    def job_lease(self, job_id: str) -> str:
+        """Token of the job task running the job, with a TTL it keeps renewing."""
+        return f"{self.job(job_id)}:lease"
+
+    def job_replies(self, job_id: str) -> str:
+        """List of encoded replies to the job's chunks (the job's own reply list)."""
+        return f"{self.job(job_id)}:replies"
+
+    def jobs_active(self) -> str:
+        """Set of ids of jobs not yet finished (what the job reaper looks at)."""
+        return f"{self.prefix}:jobs:active"
+
+    def celery(self) -> str:
+        """Prefix of Celery's own keys (broker queues, events, results): stacks that share a
+        Redis under different prefixes never exchange tasks or events."""
+        return f"{self.prefix}:celery:"

@@ -23,6 +23,24 @@ class Settings(BaseSettings):
     flower_port: int = 5555
     worker_port: int = 8002
     """The inference worker's probe port (/live, /ready); 0 turns the probe off."""
+    batch_events_per_s: int = 100
+    """Most Celery task events (one per executed batch, for Flower) an inference process
+    sends a second; more batches are merged into fewer events. 0 sends none."""
+    job_result_ttl_s: int = 86_400
+    """How long a finished job's state and result stay readable."""
+    job_max_bytes: int = 64 * 1024 * 1024
+    """Largest ``POST /v1/jobs`` body (JSON or binary tensors); larger is a 413."""
+    job_chunk_rows: int = 0
+    """Rows per chunk a job feeds into the model's streams; 0: the model's max_batch_size
+    (never more)."""
+    job_max_in_flight: int = 0
+    """Chunks of one job admitted and not yet answered, at most; 0: one more than the
+    model's ready instances (at least 2)."""
+    job_chunk_timeout_s: float = 600.0
+    """A chunk's deadline; a chunk answered with a deadline error, or not at all, is re-sent."""
+    job_lease_s: float = 10.0
+    """Lease of a running job, renewed every third of it; a job whose lease lapses (its
+    worker died) is resumed from its finished chunks by another job worker."""
 
     def model_filter(self) -> set[str]:
         return {m.strip() for m in self.models.split(",") if m.strip()}

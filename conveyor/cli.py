@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from conveyor import launcher
+from conveyor import jobs_cli, launcher
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,9 +12,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="start Redis (if needed), the API, a worker and Flower")
     run.add_argument("--host", default="0.0.0.0", help="address the HTTP API binds")
+    jobs_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "run":
         return launcher.run(args.host)
+    if args.command == "jobs":
+        return jobs_cli.run(args)
     return 2
 
 

@@ -1,4 +1,5 @@
-"""``conveyor run``: Redis (when none answers), the API, one inference worker and Flower.
+"""``conveyor run``: Redis (when none answers), the API, an inference worker, a job worker
+and Flower.
 
 For a laptop or a single box; production runs each process on its own (Procfile,
 docker-compose.yml, deploy/). Ctrl-C stops everything this command started.
@@ -61,6 +62,9 @@ def run(host: str = "0.0.0.0") -> int:
                 "--port", str(settings.http_port), "--no-access-log"],
         "worker": [py, "-m", "celery", "-A", "workers.app", "worker", "-n", "conveyor@%h",
                    "--loglevel", "INFO"],
+        "jobs": [py, "-m", "celery", "-A", "workers.app", "worker", "-Q", "cv.jobs",
+                 "--no-inference", "-P", "threads", "-c", "4", "-n", "jobs@%h",
+                 "--loglevel", "INFO"],
         "flower": [py, "-m", "celery", "-A", "workers.app", "flower",
                    f"--port={settings.flower_port}"],
     }
@@ -70,6 +74,7 @@ def run(host: str = "0.0.0.0") -> int:
     print(f"\nconveyor is starting; models from {settings.model_repository}\n"
           f"  HTTP API  http://127.0.0.1:{settings.http_port}/v2  (ready: /v2/health/ready)\n"
           f"  metrics   http://127.0.0.1:{settings.http_port}/metrics\n"
+          f"  jobs      http://127.0.0.1:{settings.http_port}/v1/jobs  (conveyor jobs --help)\n"
           f"  Flower    http://127.0.0.1:{settings.flower_port}\n"
           "Ctrl-C stops everything.\n", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)

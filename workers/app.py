@@ -2,18 +2,26 @@
 
 JSON and msgpack only, never pickle. The inference processes are not Celery tasks: a
 bootstep starts them beside the worker, so Celery keeps its main process for control
-commands, events and heartbeats, and shows the worker in Flower.
+commands (:mod:`workers.control`), events and heartbeats, and shows the worker in Flower.
+Job workers (``-Q cv.jobs --no-inference``) run the async job tasks of :mod:`workers.jobs`.
+Celery's keys carry the key prefix too, so stacks sharing a Redis stay apart.
 """
 
 from __future__ import annotations
 
+import os
 from http.server import ThreadingHTTPServer
 from typing import Any
 
 from celery import Celery, bootsteps
 from click import Option
 
+from batching.jobs import JOB_QUEUE
+from batching.keys import Keys
 from batching.settings import Settings
+from workers import control
+from workers.events import NODE_ENV
+from workers.jobs import JobReaper
 from workers.probe import start_probe
 from workers.supervisor import Supervisor
 
@@ -31,6 +39,12 @@ app.conf.update(
     worker_concurrency=1,
     broker_connection_retry_on_startup=True,
     task_default_queue="cv.inference",
+    task_routes={"conveyor.job*": {"queue": JOB_QUEUE}},
+    task_track_started=True,
+    worker_prefetch_multiplier=1,
+    result_expires=settings.job_result_ttl_s,
+    broker_transport_options={"global_keyprefix": Keys(settings.key_prefix).celery()},
+    result_backend_transport_options={"global_keyprefix": Keys(settings.key_prefix).celery()},
     worker_hijack_root_logger=False,
 )
 
@@ -50,8 +64,10 @@ class InferenceStep(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         settings = Settings()
+        os.environ[NODE_ENV] = parent.hostname  # inference processes send batch events as us
         self.supervisor = Supervisor(settings)
         self.supervisor.start()
+        control.attach(self.supervisor)
         if settings.worker_port:
             self.probe = start_probe(self.supervisor, settings.worker_port)
 
@@ -60,8 +76,10 @@ class InferenceStep(bootsteps.StartStopStep):
             self.probe.shutdown()
             self.probe = None
         if self.supervisor is not None:
+            control.attach(None)
             self.supervisor.stop()
             self.supervisor = None
 
 
 app.steps["worker"].add(InferenceStep)
+app.steps["worker"].add(JobReaper)

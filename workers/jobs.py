@@ -1,0 +1,220 @@
+"""Async jobs as Celery tasks on ``cv.jobs``, run by job workers::
+
+    celery -A workers.app worker -Q cv.jobs --no-inference -P threads -c 4
+
+The API stores a job (:mod:`api.jobs`) and sends :func:`run_job` with the job id as the
+task id, so Flower shows each job as one task: STARTED, then PROGRESS events carrying
+``{"done", "total"}`` (also stored with ``update_state``), then SUCCESS, FAILURE or
+REVOKED (cancelled).
+
+A job worker that dies does not lose its job. Every finished chunk is stored as it
+arrives, and the running task holds a lease it renews. A job worker told to stop hands
+its jobs over at once (the task releases its lease and retries itself, so another job
+worker resumes it); one killed outright stops renewing, and within ``job_lease_s`` the
+reaper thread of any job worker resends the task. Either way the job resumes from the
+chunks already done. The task also acks late, so a message whose worker died before
+starting the job is redelivered by the broker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+import redis
+from celery import Task, bootsteps, shared_task
+from celery.exceptions import Ignore
+from celery.signals import worker_shutting_down
+
+from batching.jobs import CALLBACK_TASK, FINISHED, JOB_QUEUE, JOB_TASK, JobRecord, JobState
+from batching.keys import Keys
+from batching.settings import Settings
+from workers.job_runner import REDIS_ERRORS, JobRunner
+
+log = logging.getLogger("conveyor.jobs")
+
+PROGRESS = "PROGRESS"
+"""The Celery state of a running job's task; its meta (and event) carry done and total."""
+PROGRESS_EVERY_S = 0.5
+CALLBACK_RETRIES = 8
+CALLBACK_TIMEOUT_S = 10.0
+
+_stopping = threading.Event()
+
+
+@worker_shutting_down.connect
+def _on_shutdown(**_: Any) -> None:
+    """Running jobs hand over rather than hold the warm shutdown up until they finish."""
+    _stopping.set()
+
+
+class JobContext:
+    """What every job task of this process shares: settings, keys, one Redis client."""
+
+    def __init__(self) -> None:
+        self.settings = Settings()
+        self.keys = Keys(self.settings.key_prefix)
+        self.redis = redis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=1.0,
+                                          socket_timeout=5.0, health_check_interval=30)
+
+    def record(self, job_id: str) -> JobRecord | None:
+        raw = self.redis.hgetall(self.keys.job(job_id))
+        return JobRecord.from_hash(job_id, raw) if raw else None
+
+
+@functools.cache
+def context() -> JobContext:
+    return JobContext()
+
+
+@shared_task(name=JOB_TASK, bind=True, acks_late=True, ignore_result=False)
+def run_job(self: Task, job_id: str, takeover: str = "") -> dict[str, Any]:
+    """Run job ``job_id`` to its end (``takeover``: the reaper's lease token, if it resent it)."""
+    ctx = context()
+    record = ctx.record(job_id)
+    if record is None or record.state in FINISHED:
+        if record is not None and record.state is JobState.CANCELLED:
+            _notify(ctx, record)  # cancelled before it started
+            _revoked(self)
+        return {"id": job_id, "state": record.state.value if record else "EXPIRED"}
+    progress = _Progress(self)
+    runner = JobRunner(ctx.redis, ctx.keys, ctx.settings, record, progress, _stopping.is_set)
+    if not runner.acquire(takeover):
+        log.info("job %s is running elsewhere; this delivery is a duplicate", job_id)
+        raise Ignore()
+    before = runner.start()
+    if before not in (JobState.PENDING, JobState.RUNNING):
+        if before is JobState.CANCELLED:
+            runner.cancelled()
+            _notify(ctx, record)
+            _revoked(self)
+        runner.release()
+        return {"id": job_id, "state": before.value if before else "EXPIRED"}
+    started = time.monotonic()
+    state = runner.run()
+    if state is JobState.RUNNING:
+        if _stopping.is_set():
+            raise self.retry(countdown=0, max_retries=None)
+        raise Ignore()  # another task took the lease over and runs the job
+    _notify(ctx, record)
+    took = time.monotonic() - started
+    log.info("job %s %s: %d rows in %.2fs", job_id, state.value, record.total, took)
+    if state is JobState.CANCELLED:
+        _revoked(self)
+    if state is JobState.FAILED:
+        raise JobError(runner.error)
+    return {"id": job_id, "state": state.value, "rows": record.total, "seconds": round(took, 3)}
+
+
+class JobError(Exception):
+    """The job failed; Celery records its task as FAILURE with this message."""
+
+
+class _Progress:
+    """Reports progress to Celery: ``update_state`` and a task event, at most twice a second."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self._next = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now < self._next and done < total:
+            return
+        self._next = now + PROGRESS_EVERY_S
+        meta = {"done": done, "total": total}
+        try:
+            self.task.update_state(state=PROGRESS, meta=meta)
+            self.task.send_event("task-progress", result=orjson.dumps(meta).decode(), retry=False)
+        except Exception as exc:  # progress is for watching: it never stops the job
+            log.debug("progress report failed: %s", exc)
+
+
+def _revoked(task: Task) -> None:
+    """Show the cancelled job's task as REVOKED in the result backend and in Flower."""
+    task.update_state(state="REVOKED", meta={"reason": "cancelled"})
+    task.send_event("task-revoked", terminated=False, expired=False, signum=None)
+    raise Ignore()
+
+
+def _notify(ctx: JobContext, record: JobRecord) -> None:
+    """Queue the callback of a finished job, once (a duplicate delivery sends none)."""
+    if not record.callback_url or not ctx.redis.hsetnx(ctx.keys.job(record.id), "notified", 1):
+        return
+    final = ctx.record(record.id)
+    if final is not None:
+        send_callback.delay(record.callback_url, final.view())
+
+
+@shared_task(name=CALLBACK_TASK, bind=True, acks_late=True, max_retries=CALLBACK_RETRIES)
+def send_callback(self: Task, url: str, body: dict[str, Any]) -> int:
+    """POST the finished job's status to its ``callback_url``, retried with back-off."""
+    try:
+        response = httpx.post(url, json=body, timeout=CALLBACK_TIMEOUT_S)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        retries = self.request.retries
+        if retries >= CALLBACK_RETRIES:
+            log.error("job %s: callback to %s failed %d times, giving up: %s", body.get("id"),
+                      url, retries + 1, exc)
+            return 0
+        delay = min(2 ** retries, 300)
+        log.warning("job %s: callback to %s failed (%s); retrying in %ds", body.get("id"), url,
+                    exc, delay)
+        raise self.retry(countdown=delay) from exc
+    return response.status_code
+
+
+class JobReaper(bootsteps.StartStopStep):
+    """In job workers: resends the task of a running job whose lease lapsed (its worker died)."""
+
+    def __init__(self, parent: Any, **options: Any) -> None:
+        super().__init__(parent, **options)
+        self.enabled = JOB_QUEUE in parent.app.amqp.queues.consume_from
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, parent: Any) -> None:
+        self._thread = threading.Thread(target=self._run, args=(parent.app,), daemon=True,
+                                        name="conveyor-job-reaper")
+        self._thread.start()
+
+    def stop(self, parent: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _run(self, app: Any) -> None:
+        ctx = context()
+        while not self._stop.wait(ctx.settings.job_lease_s / 2):
+            try:
+                reap(ctx, app)
+            except REDIS_ERRORS as exc:
+                log.debug("job reaper: Redis unreachable: %s", exc)
+
+
+def reap(ctx: JobContext, app: Any) -> None:
+    """Resend every RUNNING job with no lease; forget finished or expired ones."""
+    active = sorted(m.decode() for m in ctx.redis.smembers(ctx.keys.jobs_active()))
+    if not active:
+        return
+    pipe = ctx.redis.pipeline(transaction=False)
+    for job_id in active:
+        pipe.hget(ctx.keys.job(job_id), "state")
+        pipe.exists(ctx.keys.job_lease(job_id))
+    answers = pipe.execute()
+    lease_ms = int(ctx.settings.job_lease_s * 1000)
+    for job_id, state, leased in zip(active, answers[::2], answers[1::2], strict=True):
+        if state is None or state.decode() in FINISHED:
+            ctx.redis.srem(ctx.keys.jobs_active(), job_id)
+        elif state.decode() == JobState.RUNNING and not leased:
+            token = f"reaper-{os.urandom(6).hex()}"
+            if ctx.redis.set(ctx.keys.job_lease(job_id), token, nx=True, px=lease_ms):
+                log.warning("job %s lost its worker; resending it to resume", job_id)
+                app.send_task(JOB_TASK, args=[job_id, token], task_id=job_id)
