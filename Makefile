@@ -20,7 +20,7 @@ run: $(VENV)/.installed
 	$(VENV)/bin/conveyor run
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to chaos-report.jsonl
 	CONVEYOR_CHAOS_SCALE=5 CONVEYOR_CHAOS_REPORT=chaos-report.jsonl $(PY) -m pytest -m chaos -s tests/test_chaos.py

@@ -150,6 +150,11 @@ class BatchFormer:
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def best_priority(self) -> int:
+        """The most urgent priority level waiting here (0 when nothing waits)."""
+        return self._pending[0].request.prio if self._pending else 0
+
     def add(self, entries: Iterable[Entry]) -> None:
         self._pending.extend(entries)
         # Stable: priority first, then arrival order within a priority.

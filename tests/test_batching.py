@@ -139,6 +139,7 @@ def test_batch_cost_parameter_is_validated(stack: Stack) -> None:
 
 def test_metrics_explain_batching_decisions(stack: Stack) -> None:
     post(stack, "ragged", "tokens", np.ones((1, 2), np.int64), "INT64")
+    post(stack, "oom", "x", np.zeros((8, 2), np.float32), "FP32")  # above what fits: an OOM
 
     def scraped() -> str:
         return httpx.get(f"{stack.url}/metrics").text

@@ -106,10 +106,13 @@ class InferenceLoop:
                 room = self.max_rows - self.former.pending_rows
             block = BLOCK_MS if len(self.former) == 0 else None
             if room > 0:
-                fresh = self.streams.read(room, block)
-                if fresh:
-                    self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
-                    self.former.add(fresh)
+                self._arrived(self.streams.read(room, block))
+            now = time.time()
+        elif not self.stopping and self.former.best_priority > 1:
+            # Full of lower-priority work (job chunks, say): still let urgent requests in,
+            # or they would wait behind everything this process has already read.
+            urgent = self.streams.streams[:self.former.best_priority - 1]
+            self._arrived(self.streams.read(self.max_rows, None, urgent))
             now = time.time()
         expired = self.former.take_expired(now)
         if expired:
@@ -122,6 +125,11 @@ class InferenceLoop:
         if len(self.former):
             self.run(self.former.take(decision.reason or "drain",
                                       min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)))
+
+    def _arrived(self, fresh: list[Entry]) -> None:
+        if fresh:
+            self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
+            self.former.add(fresh)
 
     def _admit(self, claimed: list[Entry]) -> None:
         """Queue claimed entries, dead-lettering those delivered too often."""

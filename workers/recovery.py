@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis
+from redis.exceptions import ResponseError
 
 from batching.former import Entry
 from batching.keys import Keys
@@ -57,6 +58,13 @@ class Reclaimer:
     def poll(self, now: float, room: int) -> list[Entry]:
         """Claim up to ``room`` entries from dead or stuck consumers (highest priority first)."""
         self._next_check = now + CHECK_EVERY_S
+        try:
+            return self._poll(now, room)
+        except ResponseError as exc:
+            self.streams.on_missing_group(exc)
+            return []
+
+    def _poll(self, now: float, room: int) -> list[Entry]:
         live = self._live_consumers()
         claimed: list[Entry] = []
         for stream in self.streams.streams:

@@ -37,6 +37,12 @@ class ModelStreams:
         self.rows_key = rows_key
         self.consumer = consumer
 
+    def on_missing_group(self, exc: ResponseError) -> None:
+        """Redis lost its data (a restart without persistence): recreate the groups."""
+        if "NOGROUP" not in str(exc):
+            raise exc
+        self.ensure_groups()
+
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (from the start: nothing is skipped)."""
         for stream in self.streams:
@@ -93,16 +99,15 @@ class ModelStreams:
             if name not in live and int(info["pending"]) == 0 and int(info["idle"]) > idle_ms:
                 self._redis.xgroup_delconsumer(stream, GROUP, name)
 
-    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+    def read(self, count: int, block_ms: int | None,
+             streams: list[str] | None = None) -> list[Entry]:
         """New entries, highest priority stream first; ``block_ms=None`` does not block."""
         try:
             result = self._redis.xreadgroup(GROUP, self.consumer,
-                                            dict.fromkeys(self.streams, ">"),
+                                            dict.fromkeys(streams or self.streams, ">"),
                                             count=count, block=block_ms)
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self.ensure_groups()  # Redis lost its data (restart without persistence)
+            self.on_missing_group(exc)
             return []
         entries = []
         for stream, items in result or []:
