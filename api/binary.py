@@ -10,6 +10,7 @@ lengths or values) and a binary output is sent back without ever becoming a list
 from __future__ import annotations
 
 import gzip
+import math
 import struct
 import zlib
 from typing import Any
@@ -27,7 +28,7 @@ _LENGTH = struct.Struct("<I")
 def tensor_from_buffer(name: str, datatype: str, shape: tuple[int, ...],
                        data: bytes | memoryview) -> Tensor:
     """A tensor from its raw wire bytes, checked to fill ``shape`` exactly."""
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if datatype == "BYTES":
         check_bytes(name, data, count)
     else:

@@ -8,6 +8,7 @@ against the model's signature exactly as HTTP requests are. Outputs always go ba
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
             array = np.asarray(values, dtype=to_numpy(datatype))
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: contents are not {datatype}: {exc}") from None
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if array.size != count:
         raise InvalidInput(f"input {name!r}: {array.size} elements in contents.{field} do not "
                            f"fill shape {list(shape)} ({count} expected)")

@@ -9,6 +9,7 @@ the JSON header, rendered straight from the reply's raw tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +121,7 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
 
 
 def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Tensor:
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     try:
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=np.object_).reshape(-1)

@@ -8,6 +8,7 @@ each model's stream lengths, and the totals the workers keep in its stats hash.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -129,6 +130,25 @@ def _dig(beat: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
+@dataclass(slots=True)
+class ModelSeries:
+    """One model's labelled children, looked up once: ``.labels()`` per request costs
+    more than the observation itself."""
+
+    model: str
+    duration: Any
+    queue: Any
+    batch_size: Any
+    requests: Any
+    outcomes: dict[str, Any] = field(default_factory=dict)
+
+    def outcome(self, outcome: str) -> Any:
+        child = self.outcomes.get(outcome)
+        if child is None:
+            child = self.outcomes[outcome] = self.requests.labels(self.model, outcome)
+        return child
+
+
 class ApiMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -147,10 +167,21 @@ class ApiMetrics:
         self.batch_size = Histogram(
             "conveyor_batch_size", "Rows in the batch each request ran in",
             ["model"], buckets=BATCH_BUCKETS, registry=self.registry)
-        for protocol in PROTOCOLS:
-            self.protocol_requests.labels(protocol)
+        self._protocols = {p: self.protocol_requests.labels(p) for p in PROTOCOLS}
+        self._series: dict[str, ModelSeries] = {}
         self._shared = _SharedState()
         self.registry.register(self._shared)
+
+    def protocol(self, protocol: str) -> Any:
+        return self._protocols.get(protocol) or self.protocol_requests.labels(protocol)
+
+    def of(self, model: str) -> ModelSeries:
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = ModelSeries(
+                model, self.duration.labels(model), self.queue.labels(model),
+                self.batch_size.labels(model), self.requests)
+        return series
 
     async def refresh(self, redis: Redis, keys: Keys, models: Mapping[str, ModelConfig],
                       beats: Mapping[str, list[dict[str, Any]]]) -> None:

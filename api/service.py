@@ -49,7 +49,7 @@ class InferenceService:
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
-        self.metrics.protocol_requests.labels(protocol).inc()
+        self.metrics.protocol(protocol).inc()
         try:
             config = self.model(model, version)
         except ModelNotFound:
@@ -91,8 +91,9 @@ class InferenceService:
             self._count(model, ConveyorError.code, started)
             raise ConveyorError(f"internal error: {type(exc).__name__}: {exc}") from exc
         self._count(model, "success", started)
-        self.metrics.queue.labels(model).observe(reply.queue_ms / 1000.0)
-        self.metrics.batch_size.labels(model).observe(reply.batch_rows)
+        series = self.metrics.of(model)
+        series.queue.observe(reply.queue_ms / 1000.0)
+        series.batch_size.observe(reply.batch_rows)
         return parsed, reply
 
     def _priority(self, config: ModelConfig, parsed: InferRequest) -> int:
@@ -104,8 +105,9 @@ class InferenceService:
         return raw or config.queue.default_priority
 
     def _count(self, model: str, outcome: str, started: float) -> None:
-        self.metrics.requests.labels(model, outcome).inc()
-        self.metrics.duration.labels(model).observe(time.perf_counter() - started)
+        series = self.metrics.of(model)
+        series.outcome(outcome).inc()
+        series.duration.observe(time.perf_counter() - started)
 
 
 def _cost(parsed: InferRequest) -> dict[str, float]:

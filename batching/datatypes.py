@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -84,7 +85,7 @@ def to_raw(array: npt.NDArray[np.generic]) -> bytes:
 
 
 def from_raw(raw: bytes | memoryview, datatype: str, shape: tuple[int, ...]) -> npt.NDArray[np.generic]:
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if datatype == "BYTES":
         return decode_bytes(raw, count).reshape(shape)
     dtype = to_numpy(datatype)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,21 +12,26 @@ import numpy as np
 from tests.procs import wait_for
 
 
+def started(stack, value: float) -> bool:
+    log = stack.extra_env["ECHO_LOG"]
+    return os.path.exists(log) and f"{value:g}" in open(log).read().split()
+
+
 def slow_request(url: str, value: float) -> httpx.Response:
     x = np.full((1, 4), value, np.float32)
     return httpx.post(f"{url}/v2/models/slow/infer", timeout=30, json={"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": x.ravel().tolist()}]})
 
 
-def test_sigterm_to_the_api_lets_in_flight_requests_finish(make_stack) -> None:
-    stack = make_stack(CONVEYOR_MODELS="slow")
+def test_sigterm_to_the_api_lets_in_flight_requests_finish(make_stack, tmp_path) -> None:
+    stack = make_stack(CONVEYOR_MODELS="slow", ECHO_LOG=str(tmp_path / "ran"))
     url = stack.add_api()
     stack.add_worker()
     stack.wait_ready()
     api = stack.apis[0][0]
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(slow_request, url, 1.0)  # 600 ms in the model
-        time.sleep(0.2)
+        wait_for(lambda: started(stack, 1.0), 10, "the request to reach the model")
         api.signal(signal.SIGTERM)
         response = pending.result()
     assert response.status_code == 200
@@ -34,8 +39,8 @@ def test_sigterm_to_the_api_lets_in_flight_requests_finish(make_stack) -> None:
     wait_for(lambda: not api.alive(), 10, "the API to exit")
 
 
-def test_sigterm_to_a_worker_finishes_and_acks_the_running_batch(make_stack) -> None:
-    stack = make_stack(CONVEYOR_MODELS="slow")
+def test_sigterm_to_a_worker_finishes_and_acks_the_running_batch(make_stack, tmp_path) -> None:
+    stack = make_stack(CONVEYOR_MODELS="slow", ECHO_LOG=str(tmp_path / "ran"))
     url = stack.add_api()
     worker = stack.add_worker()
     stack.wait_ready()
@@ -44,7 +49,7 @@ def test_sigterm_to_a_worker_finishes_and_acks_the_running_batch(make_stack) -> 
     assert httpx.get(f"{probe}/ready").json()["slots"][0]["model"] == "slow"
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(slow_request, url, 3.0)
-        time.sleep(0.2)
+        wait_for(lambda: started(stack, 3.0), 10, "the request to reach the model")
         worker.signal(signal.SIGTERM)
         response = pending.result()
     assert response.status_code == 200

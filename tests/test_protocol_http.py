@@ -16,6 +16,7 @@ import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
+from tests.procs import wait_for
 from tests.protocol_stack import (
     DATATYPES,
     assert_round_trip,
@@ -166,7 +167,14 @@ def test_statistics_count_requests_and_batches(stack: Stack, client: Client) -> 
     item.set_data_from_numpy(np.ones((3, 4), np.float32))
     for _ in range(2):
         client.infer("onnx_mlp", [item])
-    stats = client.get_inference_statistics("onnx_mlp")["model_stats"][0]
+
+    def current() -> dict:
+        return client.get_inference_statistics("onnx_mlp")["model_stats"][0]
+
+    # Workers flush their counters at most 0.1 s late while busy, 1 s when idle.
+    wait_for(lambda: current()["execution_count"] - before["execution_count"] == 2, 5,
+             "the statistics to count both batches")
+    stats = current()
     assert stats["name"] == "onnx_mlp" and stats["version"] == "1"
     assert stats["inference_count"] - before["inference_count"] == 6
     assert stats["execution_count"] - before["execution_count"] == 2

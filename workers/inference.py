@@ -105,6 +105,8 @@ class InferenceLoop:
                 self._admit(self.reclaimer.poll(now, room))
                 room = self.max_rows - self.former.pending_rows
             block = BLOCK_MS if len(self.former) == 0 else None
+            if block:
+                self.streams.flush_counts()
             if room > 0:
                 self._arrived(self.streams.read(room, block))
             now = time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -86,6 +87,7 @@ def serve(model_name: str, device: str, index: int, shared: SharedState) -> None
         if time.monotonic() >= next_report:
             next_report = time.monotonic() + settings.heartbeat_interval_s
             _report_and_follow(loop, heartbeat, client, keys.control(model_name))
+    streams.flush_counts(force=True)
     heartbeat.stop()
     log.info("%s stopped after %d batches, %d rows", consumer, loop.batches, loop.rows)
 
@@ -94,6 +96,8 @@ def _report_and_follow(loop: InferenceLoop, heartbeat: Heartbeat, client: redis.
                        control_key: str) -> None:
     """Publish the loop's figures with the next heartbeat; apply run-time overrides."""
     heartbeat.info.update(loop.stats(), policy=loop.policy.estimates())
+    with contextlib.suppress(*REDIS_ERRORS):
+        loop.streams.flush_counts(force=True)
     memory = gpu_memory(heartbeat.info["device"])
     if memory:
         heartbeat.info["gpu_memory"] = memory

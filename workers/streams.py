@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,6 +23,8 @@ from batching.keys import GROUP
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 300
+FLUSH_EVERY_S = 0.1
+"""Statistics counters reach Redis at most this late while a model is busy."""
 DLQ_MAXLEN = 10_000
 """The dead-letter stream keeps about this many of the latest failures."""
 """A reply list nobody pops (its API process died) expires after this."""
@@ -35,6 +37,8 @@ class ModelStreams:
         self.streams = streams
         self.stats_key = stats_key
         self.rows_key = rows_key
+        self._counts: Counter[str] = Counter()
+        self._next_flush = 0.0
         self.consumer = consumer
 
     def on_missing_group(self, exc: ResponseError) -> None:
@@ -134,6 +138,9 @@ class ModelStreams:
         limit and add ``counters`` to the stats hash: one round trip for the whole batch.
         """
         pipe = self._redis.pipeline(transaction=False)
+        self._counts.update(counters or {})
+        if time.monotonic() >= self._next_flush:
+            self._add_counts(pipe)
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str]] = defaultdict(list)
         rows = 0
@@ -149,16 +156,26 @@ class ModelStreams:
             pipe.xdel(stream, *ids)
         if rows:
             pipe.decrby(self.rows_key, rows)
-        for name, amount in (counters or {}).items():
-            pipe.hincrby(self.stats_key, name, amount)
         pipe.execute()
 
     def count(self, counters: Mapping[str, int]) -> None:
-        """Add to the model's stats hash."""
-        pipe = self._redis.pipeline(transaction=False)
-        for name, amount in counters.items():
+        """Add to the model's stats hash, with the next flush."""
+        self._counts.update(counters)
+
+    def flush_counts(self, force: bool = False) -> None:
+        """Send the buffered counters if any are due (all of them when ``force``)."""
+        if self._counts and (force or time.monotonic() >= self._next_flush):
+            pipe = self._redis.pipeline(transaction=False)
+            self._add_counts(pipe)
+            pipe.execute()
+
+    def _add_counts(self, pipe: Any) -> None:
+        """Counters ride along with other writes at most every FLUSH_EVERY_S: a dozen
+        HINCRBYs per batch would cost more than the batch itself for a small model."""
+        for name, amount in self._counts.items():
             pipe.hincrby(self.stats_key, name, amount)
-        pipe.execute()
+        self._counts.clear()
+        self._next_flush = time.monotonic() + FLUSH_EVERY_S
 
     def _drop(self, stream: str, entry_id: str) -> None:
         """An entry that cannot be decoded has no reply address: acknowledge and delete it."""
