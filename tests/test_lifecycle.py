@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -13,8 +13,8 @@ from tests.procs import wait_for
 
 
 def started(stack, value: float) -> bool:
-    log = stack.extra_env["ECHO_LOG"]
-    return os.path.exists(log) and f"{value:g}" in open(log).read().split()
+    log = Path(stack.extra_env["ECHO_LOG"])
+    return log.exists() and f"{value:g}" in log.read_text().split()
 
 
 def slow_request(url: str, value: float) -> httpx.Response:
