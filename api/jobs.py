@@ -20,12 +20,11 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
-from api.kserve import InferRequest, parse_header, render
+from api.kserve import InferRequest, json_object, parse_header, render
 from api.service import InferenceService
 from batching.config import ModelConfig
 from batching.envelope import Reply
@@ -83,7 +82,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             return JSONResponse({"error": f"a job body may hold at most {settings.job_max_bytes} "
                                           "bytes (CONVEYOR_JOB_MAX_BYTES)"}, status_code=413)
         header, binary = _split(body, request.headers.get(HEADER_LENGTH))
-        model = _json_object(header).get("model")
+        model = json_object(header).get("model")
         if not isinstance(model, str):
             raise InvalidInput("'model' must name the model to run")
         config = service.model(model)
@@ -209,16 +208,6 @@ def _split(body: bytes, header_length: str | None) -> tuple[memoryview, memoryvi
                            f"body of {len(body)} bytes")
     length = int(header_length)
     return view[:length], view[length:]
-
-
-def _json_object(header: memoryview) -> dict[str, Any]:
-    try:
-        doc = orjson.loads(header)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("request body must be a JSON object")
-    return doc
 
 
 def _priority(parsed: InferRequest, config: ModelConfig) -> int:

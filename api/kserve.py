@@ -49,15 +49,21 @@ def parse_json(body: bytes, config: ModelConfig) -> InferRequest:
     return parse_header(body, memoryview(b""), config)
 
 
-def parse_header(header: bytes | memoryview, binary: memoryview,
-                 config: ModelConfig) -> InferRequest:
-    """A JSON header and the binary tensor section that followed it (possibly empty)."""
+def json_object(data: bytes | memoryview) -> dict[str, Any]:
+    """A request body that must be one JSON object; anything else is a 400."""
     try:
-        doc = orjson.loads(header)
+        doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidInput("request body must be a JSON object")
+    return doc
+
+
+def parse_header(header: bytes | memoryview, binary: memoryview,
+                 config: ModelConfig) -> InferRequest:
+    """A JSON header and the binary tensor section that followed it (possibly empty)."""
+    doc = json_object(header)
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api.kserve import json_object
 from api.repository import Repository
 from api.service import InferenceService
 from api.stats import statistics
@@ -51,13 +51,7 @@ async def json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         return {}
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidInput("request body must be a JSON object")
-    return doc
+    return json_object(raw)
 
 
 def check_load_parameters(parameters: Any) -> None:
