@@ -1,4 +1,6 @@
-"""The request and reply envelopes that travel through Redis, as msgpack (never pickle).
+"""The request and reply envelopes that travel through Redis, as msgpack.
+
+No code-executing serializer ever touches the wire.
 
 A request entry in a model stream has one field, ``d``: the packed :class:`Request`.
 A reply is one packed :class:`Reply` pushed onto the API process's reply list.

@@ -1,7 +1,7 @@
 """The Celery app: ``celery -A workers.app worker`` starts the inference supervisor.
 
-JSON and msgpack only, never pickle. The inference processes are not Celery tasks: a
-bootstep starts them beside the worker, so Celery keeps its main process for control
+JSON and msgpack only (no code-executing serializer). The inference processes are not
+Celery tasks: a bootstep starts them beside the worker, so Celery keeps its main process for control
 commands (:mod:`workers.control`), events and heartbeats, and shows the worker in Flower.
 Job workers (``-Q cv.jobs --no-inference``) run the async job tasks of :mod:`workers.jobs`.
 Celery's keys carry the key prefix too, so stacks sharing a Redis stay apart.
