@@ -162,15 +162,18 @@ def test_config_follows_triton_shape(stack: Stack, client: Client) -> None:
 
 
 def test_statistics_count_requests_and_batches(stack: Stack, client: Client) -> None:
-    before = client.get_inference_statistics("onnx_mlp")["model_stats"][0]
+    def current() -> dict:
+        return client.get_inference_statistics("onnx_mlp")["model_stats"][0]
+
+    # Counters of earlier tests may still be on their way (workers flush every 0.1 s).
+    seen = [current()]
+    wait_for(lambda: seen.append(current()) or seen[-1] == seen[-2], 5, "settled statistics",
+             interval=0.3)
+    before = seen[-1]
     item = httpclient.InferInput("X", [3, 4], "FP32")
     item.set_data_from_numpy(np.ones((3, 4), np.float32))
     for _ in range(2):
         client.infer("onnx_mlp", [item])
-
-    def current() -> dict:
-        return client.get_inference_statistics("onnx_mlp")["model_stats"][0]
-
     # Workers flush their counters at most 0.1 s late while busy, 1 s when idle.
     wait_for(lambda: current()["execution_count"] - before["execution_count"] == 2, 5,
              "the statistics to count both batches")

@@ -38,6 +38,8 @@ log = logging.getLogger("conveyor.inference")
 
 BLOCK_MS = 1000
 """Longest blocking read; bounds how long a stop request or a reclaim check waits."""
+FLUSH_BLOCK_MS = 100
+"""Blocking read while statistics wait to be flushed: idle counters are at most this late."""
 FATAL_EXIT_CODE = 3
 
 Arrays = dict[str, npt.NDArray[Any]]
@@ -104,9 +106,11 @@ class InferenceLoop:
             if self.reclaimer.due(now):
                 self._admit(self.reclaimer.poll(now, room))
                 room = self.max_rows - self.former.pending_rows
-            block = BLOCK_MS if len(self.former) == 0 else None
-            if block:
+            block = None
+            if len(self.former) == 0:
                 self.streams.flush_counts()
+                # Buffered counters still waiting: wake up soon to send them.
+                block = FLUSH_BLOCK_MS if self.streams.counts_pending else BLOCK_MS
             if room > 0:
                 self._arrived(self.streams.read(room, block))
             now = time.time()

@@ -162,6 +162,10 @@ class ModelStreams:
         """Add to the model's stats hash, with the next flush."""
         self._counts.update(counters)
 
+    @property
+    def counts_pending(self) -> bool:
+        return bool(self._counts)
+
     def flush_counts(self, force: bool = False) -> None:
         """Send the buffered counters if any are due (all of them when ``force``)."""
         if self._counts and (force or time.monotonic() >= self._next_flush):
