@@ -46,6 +46,8 @@ class WorkerWatch:
         self._interval_s = interval_s
         self._stale_s = stale_s
         self.view: dict[str, ModelWorkers] = {m: ModelWorkers() for m in models}
+        self._served_at: dict[str, float] = {}
+        """When each model last had a serving worker (monotonic seconds)."""
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -61,8 +63,11 @@ class WorkerWatch:
         return self._dispatcher.redis_ok and self.view.get(model, ModelWorkers()).ready > 0
 
     def model_served(self, model: str) -> bool:
-        """Some worker process exists for the model, even if it is still loading."""
-        return self.view.get(model, ModelWorkers()).alive > 0
+        """Some worker process served the model lately, even if it is loading or being
+        replaced now: requests then queue for the replacement rather than fail."""
+        if self.view.get(model, ModelWorkers()).alive > 0:
+            return True
+        return time.monotonic() - self._served_at.get(model, -SERVED_WITHIN_S) < SERVED_WITHIN_S
 
     def server_ready(self) -> bool:
         return bool(self._models) and all(self.model_ready(m) for m in self._models)
@@ -99,6 +104,8 @@ class WorkerWatch:
                     workers.ready += state.get("state") == "ready"
                     workers.states.append(state)
             self.view[model] = workers
+            if workers.alive:
+                self._served_at[model] = time.monotonic()
         if stale:
             pipe = redis.pipeline(transaction=False)
             for model, consumer in stale:

@@ -172,8 +172,8 @@ class Supervisor:
         lived = now - slot.started
         was_ready = slot.shared is not None and slot.shared.state != ProcState.LOADING
         slot.process = None
-        self._forget(slot, process)
         if slot.retired:
+            self._forget(slot, process)
             return
         if lived >= HEALTHY_AFTER_S:
             slot.backoff_s = BACKOFF_START_S
@@ -188,6 +188,16 @@ class Supervisor:
         slot.backoff_s = min(slot.backoff_s * 2, BACKOFF_MAX_S)
         with contextlib.suppress(*REDIS_ERRORS):
             self._redis.hincrby(self.keys.stats(slot.model), "restart_count", 1)
+            # Announce the replacement before the dead heartbeat goes: the model is never
+            # without a heartbeat while it is being restarted.
+            self._redis.hset(self.keys.workers(slot.model), slot.name, self._slot_beat(slot))
+        self._forget(slot, process)
+
+    @staticmethod
+    def _slot_beat(slot: Slot) -> str:
+        state = "failed" if slot.failed else "restarting" if slot.restarts else "loading"
+        return json.dumps({"state": state, "model": slot.model, "device": slot.device,
+                           "restarts": slot.restarts, "ts": time.time()})
 
     def _forget(self, slot: Slot, process: BaseProcess) -> None:
         """Remove the dead process's heartbeat so its entries are claimed at once."""
@@ -208,10 +218,7 @@ class Supervisor:
                 if slot.ready or slot.retired:
                     pipe.hdel(key, slot.name)
                 else:
-                    state = "failed" if slot.failed else "restarting" if slot.restarts else "loading"
-                    pipe.hset(key, slot.name, json.dumps({
-                        "state": state, "model": slot.model, "device": slot.device,
-                        "restarts": slot.restarts, "ts": time.time()}))
+                    pipe.hset(key, slot.name, self._slot_beat(slot))
             pipe.execute()
             self._apply_repository(self._redis.hgetall(self.keys.repository()))
         except REDIS_ERRORS as exc:
