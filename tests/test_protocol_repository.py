@@ -71,7 +71,8 @@ def test_unload_then_load_over_both_protocols(stack: Stack, http: Client) -> Non
     assert http.is_model_ready("echo")
     result = http.infer("echo", [echo_input(3.0)])
     np.testing.assert_array_equal(result.as_numpy("y"), np.full((1, 4), 6.0))
-    assert index(stack)["echo"]["state"] == "READY"
+    # The heartbeats of the unloaded processes may still be on their way out.
+    wait_for(lambda: index(stack)["echo"]["state"] == "READY", 30, "echo to be READY again")
     grpc.close()
 
 
