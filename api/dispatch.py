@@ -1,11 +1,13 @@
-"""The API process's one link to Redis for requests and replies.
+"""The API process's links to Redis for requests and replies.
 
 Writes are coalesced: every request submitted during one event-loop tick goes out in
-one pipeline. Each request is admitted by a Lua script that checks the model's rows
+one write. Each request is admitted by a Lua script that checks the model's rows
 waiting against its limit and appends the request to its stream, atomically, so the
 overload check costs no extra round trip and a rejected request writes nothing.
 Replies come back on one list per API process (``cv:reply:{api_id}``), popped in bulk
-by a single reader task that resolves each request's future.
+on a second connection; each pop's reply resolves the requests' futures and sends the
+next pop. Both connections are lean RESP links (api.redis_link); redis-py serves every
+other Redis call of the API.
 """
 
 from __future__ import annotations
@@ -16,21 +18,27 @@ import itertools
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
 
+from api.redis_link import Link, open_link
 from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.keys import Keys
+from batching.resp import Address, RespError, encode, encode_all
 
 log = logging.getLogger(__name__)
 
 REPLY_BATCH = 1024
 """Replies popped per round trip."""
+POP_BLOCK_S = 1
+POP_STALL_S = POP_BLOCK_S + 4
+"""A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
 ADMIT_LUA = resources.files("batching").joinpath("lua/admit.lua").read_text()
 
 
@@ -45,40 +53,45 @@ class Admission:
 
 
 class Dispatcher:
-    def __init__(self, redis_url: str, keys: Keys) -> None:
+    def __init__(self, redis_url: str, keys: Keys, busy_poll_s: float = 0.0) -> None:
         self.api_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.reply_key = keys.reply(self.api_id)
+        self._address = Address.from_url(redis_url)
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5,
                                               socket_timeout=2.0)
-        # The blocking reader gets its own connection, so it never delays writes.
-        self._reader = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5,
-                                               socket_timeout=5.0)
         self._ids = itertools.count(1)
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
         self._outbox: list[tuple[Admission, bytes, asyncio.Future[Reply]]] = []
         self._admit_sha = hashlib.sha1(ADMIT_LUA.encode()).hexdigest()
-        self._reader_task: asyncio.Task[None] | None = None
+        self._pop_command = encode(("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
+                                    REPLY_BATCH))
+        self._writer: Link | None = None
+        self._reader: Link | None = None
+        self._stall: asyncio.TimerHandle | None = None
+        self._keeper: asyncio.Task[None] | None = None
         self.redis_ok = True
+        self._busy_poll_s = busy_poll_s
+        self._poll_until = 0.0
+        self._polling = False
 
     @property
     def redis(self) -> aioredis.Redis:
+        """redis-py, for everything but admission and replies."""
         return self._redis
 
     def new_id(self) -> str:
         return format(next(self._ids), "x")
 
     async def start(self) -> None:
-        self._reader_task = asyncio.create_task(self._read_replies(), name="conveyor-replies")
+        self._keeper = asyncio.create_task(self._keep_linked(), name="conveyor-redis-links")
 
     async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            await asyncio.gather(self._reader_task, return_exceptions=True)
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(Unavailable("the API is shutting down"))
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+        self._drop_links()
+        self._fail_waiting(Unavailable("the API is shutting down"))
         await self._redis.aclose()
-        await self._reader.aclose()
 
     @property
     def in_flight(self) -> int:
@@ -90,12 +103,20 @@ class Dispatcher:
         Raises :class:`Overloaded` if the model's queue is full, :class:`Unavailable` if
         Redis is unreachable and :class:`DeadlineExceeded` when ``timeout_s`` passes.
         """
-        if not self.redis_ok:
+        if not self.redis_ok or self._writer is None:
             raise Unavailable("Redis is unreachable")
-        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Reply] = loop.create_future()
+        lone = not self._waiting and self._busy_poll_s > 0
+        if lone:  # tells the worker that the load is light: it may poll for the next one
+            request.params["lone"] = 1
         self._waiting[request.id] = fut
         if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop.call_soon(self._flush)
+        self._poll_until = time.perf_counter() + self._busy_poll_s
+        if lone and not self._polling:
+            self._polling = True
+            loop.call_soon(self._poll)
         self._outbox.append((admission, request.encode(), fut))
         try:
             return await asyncio.wait_for(fut, timeout=max(timeout_s, 0.0))
@@ -106,61 +127,119 @@ class Dispatcher:
         finally:
             self._waiting.pop(request.id, None)
 
+    def _poll(self) -> None:
+        """Keep the event loop polling, not sleeping, while a lone request's reply is due
+        soon: each turn yields the CPU to any runnable process, then runs the loop once
+        more. With more requests in flight the loop rarely sleeps anyway, and polling
+        would take CPU from their work."""
+        loop = asyncio.get_running_loop()
+        if len(self._waiting) == 1 and time.perf_counter() < self._poll_until:
+            os.sched_yield()
+            loop.call_soon(self._poll)
+        else:
+            self._polling = False
+
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        asyncio.get_running_loop().create_task(self._write(batch))
-
-    async def _write(self, batch: list[tuple[Admission, bytes, asyncio.Future[Reply]]]) -> None:
-        try:
-            try:
-                results = await self._admit_all(batch)
-            except NoScriptError:  # a new or restarted Redis: load the script once, again
-                await self._redis.script_load(ADMIT_LUA)
-                results = await self._admit_all(batch)
-        except (RedisError, OSError) as exc:
-            self._mark_down(exc)
-            for _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(Unavailable(f"Redis is unreachable: {exc}"))
+        if self._writer is None:
+            error = ConnectionError("not connected to Redis")
+            for admission, data, fut in batch:
+                self._admitted(admission, data, fut, error)
             return
-        for (admission, _, fut), waiting in zip(batch, results, strict=True):
-            if waiting < 0 and not fut.done():
-                fut.set_exception(Overloaded(
-                    f"queue full: {-waiting - 1} rows waiting, limit {admission.max_rows} "
-                    "(max_queue_rows)"))
+        self._writer.write(
+            encode_all([("EVALSHA", self._admit_sha, 2, a.rows_key, a.stream, a.rows,
+                         a.max_rows, data) for a, data, _ in batch]),
+            [partial(self._admitted, a, data, fut) for a, data, fut in batch])
 
-    async def _admit_all(self, batch: list[tuple[Admission, bytes, asyncio.Future[Reply]]]
-                         ) -> list[Any]:
-        pipe = self._redis.pipeline(transaction=False)
-        for admission, data, _ in batch:
-            pipe.evalsha(self._admit_sha, 2, admission.rows_key, admission.stream,
-                         admission.rows, admission.max_rows, data)
-        return await pipe.execute()
+    def _admitted(self, admission: Admission, data: bytes, fut: asyncio.Future[Reply],
+                  reply: Any) -> None:
+        if isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT"):
+            # A new or restarted Redis: EVAL sends the script along and caches it again.
+            assert self._writer is not None
+            self._writer.write(encode(("EVAL", ADMIT_LUA, 2, admission.rows_key,
+                                       admission.stream, admission.rows, admission.max_rows,
+                                       data)),
+                               [partial(self._admitted, admission, data, fut)])
+            return
+        if fut.done():
+            return
+        if isinstance(reply, OSError | RespError):
+            self._mark_down(reply)
+            fut.set_exception(Unavailable(f"Redis is unreachable: {reply}"))
+        elif reply < 0:
+            fut.set_exception(Overloaded(
+                f"queue full: {-reply - 1} rows waiting, limit {admission.max_rows} "
+                "(max_queue_rows)"))
 
     def _mark_down(self, exc: BaseException) -> None:
         if self.redis_ok:
             log.warning("Redis unreachable: %s", exc)
         self.redis_ok = False
 
-    async def _read_replies(self) -> None:
+    async def _keep_linked(self) -> None:
+        """Hold both links open: connect, pop replies until either link drops, answer
+        the waiting requests, reconnect with backoff."""
         backoff = 0.05
         while True:
             try:
-                popped: Any = await self._reader.execute_command(
-                    "BLMPOP", 1, 1, self.reply_key, "LEFT", "COUNT", REPLY_BATCH)
-            except (RedisError, OSError) as exc:
+                self._writer = await open_link(self._address)
+                self._reader = await open_link(self._address)
+            except (OSError, RespError, TimeoutError) as exc:
+                self._drop_links()
                 self._mark_down(exc)
-                self._fail_waiting(Unavailable(f"lost the connection to Redis: {exc}"))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
+            backoff = 0.05
             if not self.redis_ok:
                 log.info("Redis reachable again")
             self.redis_ok = True
-            backoff = 0.05
-            if popped:
-                for data in popped[1]:
-                    self._resolve(Reply.decode(data))
+            self._pop()
+            await asyncio.wait([self._writer.closed, self._reader.closed],
+                               return_when=asyncio.FIRST_COMPLETED)
+            self._drop_links()
+            self._mark_down(ConnectionError("lost the connection"))
+            self._fail_waiting(Unavailable("lost the connection to Redis"))
+
+    def _drop_links(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+        for link in (self._writer, self._reader):
+            if link is not None:
+                link.abort()
+        self._writer = self._reader = None
+
+    def _pop(self) -> None:
+        if self._reader is None:
+            return
+        self._stall = asyncio.get_running_loop().call_later(POP_STALL_S, self._stalled)
+        self._reader.write(self._pop_command, [self._popped])
+
+    def _stalled(self) -> None:
+        log.warning("Redis did not answer a pop in %d s; reconnecting", POP_STALL_S)
+        if self._reader is not None:
+            self._reader.abort()
+
+    def _popped(self, reply: Any) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+        if isinstance(reply, OSError):
+            return  # the keeper reconnects
+        if isinstance(reply, RespError):
+            self._mark_down(reply)
+            asyncio.get_running_loop().call_later(0.1, self._pop)
+            return
+        if not self.redis_ok:
+            log.info("Redis reachable again")
+        self.redis_ok = True
+        self._pop()
+        if reply:
+            self._poll_until = time.perf_counter() + self._busy_poll_s
+        for data in reply[1] if reply else ():
+            try:
+                self._resolve(Reply.decode(data))
+            except (ValueError, TypeError, KeyError) as exc:
+                log.error("dropping an unreadable reply: %s", exc)
 
     def _fail_waiting(self, error: Unavailable) -> None:
         """Redis went away: whether waiting requests will ever be answered is unknown, so

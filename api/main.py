@@ -30,7 +30,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     settings = settings or Settings()
     keys = Keys(settings.key_prefix)
     models = load_repository(settings.model_repository, settings.model_filter() or None)
-    dispatcher = Dispatcher(settings.redis_url, keys)
+    dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6)
     watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
                         settings.heartbeat_stale_s)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics())

@@ -90,6 +90,12 @@ class Batch:
     def rows(self) -> int:
         return sum(e.rows for e in self.entries)
 
+    @property
+    def lone(self) -> bool:
+        """One request, sent while its API process had no other in flight
+        (``params["lone"]``): the load is light, and the next wait may busy-poll."""
+        return len(self.entries) == 1 and bool(self.entries[0].request.params.get("lone"))
+
     def stacked_inputs(self) -> dict[str, npt.NDArray[Any]]:
         """Concatenate each input along the batch axis, in entry order, padding declared
         variable axes to the longest in the batch."""

@@ -26,6 +26,11 @@ class Settings(BaseSettings):
     batch_events_per_s: int = 100
     """Most Celery task events (one per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer events. 0 sends none."""
+    busy_poll_us: int = 1000
+    """How long a process that goes quiet polls, yielding its CPU to anything runnable,
+    before it sleeps: an inference process after each batch, the API while it awaits a
+    reply. A sleeping virtual CPU wakes slowly and with cold caches (docs/data-path.md,
+    "Busy polling"); 0 turns it off."""
     job_result_ttl_s: int = 86_400
     """How long a finished job's state and result stay readable."""
     job_max_bytes: int = 64 * 1024 * 1024

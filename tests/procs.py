@@ -81,13 +81,14 @@ class Proc:
 
 
 class RedisServer:
-    def __init__(self, logdir: Path) -> None:
+    def __init__(self, logdir: Path, *args: str) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not on PATH: install it (apt-get install redis-server)")
         self.binary = binary
         self.port = free_port()
         self.logdir = logdir
+        self.args = list(args)
         self.proc: Proc | None = None
         self.start()
 
@@ -97,7 +98,7 @@ class RedisServer:
 
     def start(self) -> None:
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.logdir)]
+                "--appendonly", "no", "--dir", str(self.logdir), *self.args]
         self.proc = Proc(f"redis-{self.port}-{time.monotonic_ns()}", argv, dict(os.environ),
                          self.logdir)
         wait_for(self._pings, 10, "redis-server to answer")
@@ -105,7 +106,7 @@ class RedisServer:
     def _pings(self) -> bool:
         with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
 
     def stop(self) -> None:
         if self.proc is not None:

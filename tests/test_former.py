@@ -3,7 +3,7 @@
 import numpy as np
 
 from batching.envelope import Request, Tensor
-from batching.former import BatchFormer, Entry, Layout
+from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.policy import FixedWindow
 
 NOW = 1_000.0
@@ -144,3 +144,11 @@ def test_batch_cost_bounds_a_batch() -> None:
     f.add(heavy)
     assert [e.request.id for e in f.take("window").entries] == ["0", "1"]
     assert [e.request.id for e in f.take("window").entries] == ["2", "3"]
+
+
+def test_only_a_batch_of_one_lone_request_is_lone() -> None:
+    lone, other = entry(1), entry(2)
+    lone.request.params["lone"] = 1
+    assert Batch([lone], "").lone
+    assert not Batch([other], "").lone
+    assert not Batch([lone, other], "").lone

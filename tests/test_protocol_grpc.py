@@ -11,6 +11,7 @@ import queue
 import re
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import grpc
 import httpx
@@ -23,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
-from tests.procs import free_port
+from tests.procs import free_port, wait_for
 from tests.protocol_stack import (
     DATATYPES,
     assert_round_trip,
@@ -139,8 +140,14 @@ def test_config_statistics_and_index(stack: Stack) -> None:
     item = grpcclient.InferInput("x", [2, 4], "FP32")
     item.set_data_from_numpy(np.ones((2, 4), np.float32))
     client.infer("echo", [item])
-    stats = client.get_inference_statistics("echo").model_stats[0]
-    assert stats.name == "echo" and stats.inference_count >= 2
+
+    def echo_stats() -> Any:
+        return client.get_inference_statistics("echo").model_stats[0]
+
+    # Workers flush their counters every 0.1 s, so the last batch shows up a little later.
+    wait_for(lambda: echo_stats().inference_count >= 2, 5, "the batch in the statistics")
+    stats = echo_stats()
+    assert stats.name == "echo"
     assert stats.inference_stats.success.count >= 1 and stats.inference_stats.queue.ns > 0
     assert any(b.batch_size >= 2 for b in stats.batch_stats)
     assert len(client.get_inference_statistics().model_stats) == 4

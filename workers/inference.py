@@ -73,6 +73,8 @@ class InferenceLoop:
         self.max_rows = config.max_batch_size
         self.events: BatchListener = _no_events
         self.stopping = False
+        self._lone = False
+        """The last batch was :attr:`Batch.lone`."""
         self.batches = 0
         self.rows = 0
         self._out_types = {t.name: t.datatype for t in config.outputs}
@@ -112,7 +114,9 @@ class InferenceLoop:
                 # Buffered counters still waiting: wake up soon to send them.
                 block = FLUSH_BLOCK_MS if self.streams.counts_pending else BLOCK_MS
             if room > 0:
-                self._arrived(self.streams.read(room, block))
+                # Poll, not sleep, only after a lone request: under more load the loop
+                # seldom sleeps, and polling would take CPU from the processes feeding it.
+                self._arrived(self.streams.read(room, block, poll=self._lone))
             now = time.time()
         elif not self.stopping and self.former.best_priority > 1:
             # Full of lower-priority work (job chunks, say): still let urgent requests in,
@@ -164,6 +168,7 @@ class InferenceLoop:
         finished = time.time()
         self.batches += 1
         self.rows += batch.rows
+        self._lone = batch.lone
         counters = _batch_counters(answered, batch.rows, started, finished)
         counters[f"reason:{batch.reason}"] = 1
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)

@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.keys import Keys
 from batching.repository import load_model_config
+from batching.resp import Address, Connection
 from batching.settings import Settings
 from workers.backends import load_model
 from workers.events import make_batch_events
@@ -50,8 +51,10 @@ def serve(model_name: str, device: str, index: int, shared: SharedState) -> None
     heartbeat = Heartbeat(client, keys, model_name, consumer, device,
                           settings.heartbeat_interval_s, on_beat=shared.beat)
     heartbeat.start()
-    streams = ModelStreams(client, keys.queues(model_name, config.queue.priority_levels),
-                           keys.stats(model_name), keys.rows_waiting(model_name), consumer)
+    link = Connection(Address.from_url(settings.redis_url), timeout_s=BLOCK_MS / 1000 + 5)
+    streams = ModelStreams(client, link, keys.queues(model_name, config.queue.priority_levels),
+                           keys.stats(model_name), keys.rows_waiting(model_name), consumer,
+                           settings.busy_poll_us / 1e6)
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
     loop = InferenceLoop(config, load_model(config, folder, device), streams, reclaimer,
                          shared, keys)
@@ -87,7 +90,8 @@ def serve(model_name: str, device: str, index: int, shared: SharedState) -> None
         if time.monotonic() >= next_report:
             next_report = time.monotonic() + settings.heartbeat_interval_s
             _report_and_follow(loop, heartbeat, client, keys.control(model_name))
-    streams.flush_counts(force=True)
+    with contextlib.suppress(*REDIS_ERRORS):
+        streams.flush_counts(force=True)
     heartbeat.stop()
     log.info("%s stopped after %d batches, %d rows", consumer, loop.batches, loop.rows)
 

@@ -1,8 +1,10 @@
 """An inference process's Redis side: read a model's streams, answer and acknowledge entries.
 
-Reads take the highest priority first. Answers for a whole batch go out in one pipeline:
+Reads take the highest priority first. Answers for a whole batch go out in one write:
 the replies (pushed onto each API process's reply list, with a TTL so a vanished API
-leaves nothing behind), then XACK and XDEL of the entries.
+leaves nothing behind), then XACK and XDEL of the entries. Reads and answers, once per
+batch, use the lean client of :mod:`batching.resp`, and an answer's replies are read
+with the next read's; the rarer calls (claims, dead letters) use redis-py.
 """
 
 from __future__ import annotations
@@ -19,21 +21,24 @@ from redis.exceptions import ResponseError
 from batching.envelope import FIELD, Reply, Request
 from batching.former import Entry
 from batching.keys import GROUP
+from batching.resp import Command, Connection, RespError
 
 log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 300
+"""A reply list nobody pops (its API process died) expires after this."""
 FLUSH_EVERY_S = 0.1
 """Statistics counters reach Redis at most this late while a model is busy."""
 DLQ_MAXLEN = 10_000
 """The dead-letter stream keeps about this many of the latest failures."""
-"""A reply list nobody pops (its API process died) expires after this."""
 
 
 class ModelStreams:
-    def __init__(self, client: redis.Redis, streams: list[str], stats_key: str, rows_key: str,
-                 consumer: str) -> None:
+    def __init__(self, client: redis.Redis, link: Connection, streams: list[str], stats_key: str,
+                 rows_key: str, consumer: str, busy_poll_s: float = 0.0) -> None:
         self._redis = client
+        self.busy_poll_s = busy_poll_s
+        self._link = link
         self.streams = streams
         self.stats_key = stats_key
         self.rows_key = rows_key
@@ -41,7 +46,7 @@ class ModelStreams:
         self._next_flush = 0.0
         self.consumer = consumer
 
-    def on_missing_group(self, exc: ResponseError) -> None:
+    def on_missing_group(self, exc: ResponseError | RespError) -> None:
         """Redis lost its data (a restart without persistence): recreate the groups."""
         if "NOGROUP" not in str(exc):
             raise exc
@@ -103,14 +108,18 @@ class ModelStreams:
             if name not in live and int(info["pending"]) == 0 and int(info["idle"]) > idle_ms:
                 self._redis.xgroup_delconsumer(stream, GROUP, name)
 
-    def read(self, count: int, block_ms: int | None,
-             streams: list[str] | None = None) -> list[Entry]:
-        """New entries, highest priority stream first; ``block_ms=None`` does not block."""
+    def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
+             poll: bool = False) -> list[Entry]:
+        """New entries, highest priority stream first; ``block_ms=None`` does not block.
+        With ``poll``, a blocking read polls for the first ``busy_poll_s``, then sleeps."""
+        names = streams or self.streams
+        command: list[str | int] = ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count]
+        if block_ms is not None:
+            command += ["BLOCK", block_ms]
+        command += ["STREAMS", *names, *(">" for _ in names)]
         try:
-            result = self._redis.xreadgroup(GROUP, self.consumer,
-                                            dict.fromkeys(streams or self.streams, ">"),
-                                            count=count, block=block_ms)
-        except ResponseError as exc:
+            result = self._link.execute([command], self.busy_poll_s if poll else 0.0)[0]
+        except RespError as exc:
             self.on_missing_group(exc)
             return []
         entries = []
@@ -124,7 +133,7 @@ class ModelStreams:
         for raw_id, fields in items:
             entry_id = _text(raw_id)
             try:
-                request = Request.decode(fields[FIELD])
+                request = Request.decode(_field(fields))
             except (KeyError, ValueError, TypeError) as exc:
                 log.error("dropping unreadable entry %s %s: %s", stream, entry_id, exc)
                 self._drop(stream, entry_id)
@@ -135,12 +144,11 @@ class ModelStreams:
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
                counters: Mapping[str, int] | None = None) -> None:
         """Send every reply, XACK and XDEL the entries, release their rows from the queue
-        limit and add ``counters`` to the stats hash: one round trip for the whole batch.
+        limit and add ``counters`` to the stats hash: one write for the whole batch, whose
+        replies are read with the next read's.
         """
-        pipe = self._redis.pipeline(transaction=False)
         self._counts.update(counters or {})
-        if time.monotonic() >= self._next_flush:
-            self._add_counts(pipe)
+        commands = self._due_counts() if time.monotonic() >= self._next_flush else []
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str]] = defaultdict(list)
         rows = 0
@@ -149,14 +157,14 @@ class ModelStreams:
             by_stream[entry.stream].append(entry.entry_id)
             rows += entry.rows
         for key, blobs in by_reply.items():
-            pipe.rpush(key, *blobs)
-            pipe.expire(key, REPLY_TTL_S)
+            commands.append(("RPUSH", key, *blobs))
+            commands.append(("EXPIRE", key, REPLY_TTL_S))
         for stream, ids in by_stream.items():
-            pipe.xack(stream, GROUP, *ids)
-            pipe.xdel(stream, *ids)
+            commands.append(("XACK", stream, GROUP, *ids))
+            commands.append(("XDEL", stream, *ids))
         if rows:
-            pipe.decrby(self.rows_key, rows)
-        pipe.execute()
+            commands.append(("DECRBY", self.rows_key, rows))
+        self._link.send(commands)
 
     def count(self, counters: Mapping[str, int]) -> None:
         """Add to the model's stats hash, with the next flush."""
@@ -169,17 +177,18 @@ class ModelStreams:
     def flush_counts(self, force: bool = False) -> None:
         """Send the buffered counters if any are due (all of them when ``force``)."""
         if self._counts and (force or time.monotonic() >= self._next_flush):
-            pipe = self._redis.pipeline(transaction=False)
-            self._add_counts(pipe)
-            pipe.execute()
+            self._link.send(self._due_counts())
+        if force:
+            self._link.flush()
 
-    def _add_counts(self, pipe: Any) -> None:
+    def _due_counts(self) -> list[Command]:
         """Counters ride along with other writes at most every FLUSH_EVERY_S: a dozen
         HINCRBYs per batch would cost more than the batch itself for a small model."""
-        for name, amount in self._counts.items():
-            pipe.hincrby(self.stats_key, name, amount)
+        commands: list[Command] = [("HINCRBY", self.stats_key, name, amount)
+                                   for name, amount in self._counts.items()]
         self._counts.clear()
         self._next_flush = time.monotonic() + FLUSH_EVERY_S
+        return commands
 
     def _drop(self, stream: str, entry_id: str) -> None:
         """An entry that cannot be decoded has no reply address: acknowledge and delete it."""
@@ -187,6 +196,15 @@ class ModelStreams:
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
+
+
+def _field(fields: Any) -> bytes:
+    """The packed request of an entry's fields: a dict from redis-py, a flat
+    ``[name, value, ...]`` list from the lean client."""
+    if isinstance(fields, list):
+        fields = dict(zip(fields[::2], fields[1::2], strict=True))
+    data: bytes = fields[FIELD]
+    return data
 
 
 def _text(value: bytes | str) -> str:

@@ -1,0 +1,193 @@
+"""The API's Redis side (api.redis_link, api.dispatch) against a real redis-server of its
+own; a test stands in for the worker by popping the stream and pushing replies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from api.dispatch import Admission, Dispatcher
+from api.redis_link import open_link
+from batching.envelope import FIELD, Reply, Request, Tensor
+from batching.errors import Overloaded, Unavailable
+from batching.keys import Keys
+from batching.resp import Address, RespError
+from tests.procs import RedisServer, wait_for
+
+KEYS = Keys("td")
+STREAM = KEYS.queue("m", 1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("dispatch"))
+    yield server
+    server.stop()
+
+
+def run(server: RedisServer, body: Callable[[Dispatcher, aioredis.Redis], Awaitable[None]],
+        busy_poll_s: float = 0.0) -> None:
+    async def main() -> None:
+        dispatcher = Dispatcher(server.url, KEYS, busy_poll_s)
+        client = aioredis.Redis.from_url(server.url)
+        await client.flushdb()
+        await dispatcher.start()
+        try:
+            for _ in range(100):
+                if dispatcher._writer is not None:
+                    break
+                await asyncio.sleep(0.01)
+            await body(dispatcher, client)
+        finally:
+            await dispatcher.close()
+            await client.aclose()
+    asyncio.run(main())
+
+
+def request(dispatcher: Dispatcher, rows: int = 1) -> Request:
+    x = Tensor.from_array("x", np.zeros((rows, 2), np.float32))
+    now = int(time.time() * 1000)
+    return Request(dispatcher.new_id(), dispatcher.reply_key, now + 5000, now, 1, [x])
+
+
+def admission(rows: int = 1, max_rows: int = 100) -> Admission:
+    return Admission(STREAM, KEYS.rows_waiting("m"), rows, max_rows)
+
+
+async def serve_one(client: aioredis.Redis) -> Request:
+    """Act as a worker: take the oldest entry and answer it."""
+    while not (entries := await client.xrange(STREAM, count=1)):
+        await asyncio.sleep(0.005)
+    entry_id, fields = entries[0]
+    await client.xdel(STREAM, entry_id)
+    sent = Request.decode(fields[FIELD])
+    await client.rpush(sent.reply, Reply(sent.id, sent.inputs, batch_rows=sent.rows).encode())
+    return sent
+
+
+def test_link_pipelines_and_raises_error_replies(server: RedisServer) -> None:
+    async def main() -> None:
+        link = await open_link(Address.from_url(server.url))
+        assert await link.execute(("SET", "k", "v"), ("GET", "k")) == [b"OK", b"v"]
+        with pytest.raises(RespError, match="WRONGTYPE"):
+            await link.execute(("LPUSH", "k", "x"))
+        assert await link.execute(("PING",)) == [b"PONG"]
+        link.abort()
+        await link.closed
+        with pytest.raises(ConnectionError):
+            await link.execute(("PING",))
+    asyncio.run(main())
+
+
+def test_link_fails_pending_commands_when_the_connection_drops(server: RedisServer) -> None:
+    async def main() -> None:
+        link = await open_link(Address.from_url(server.url))
+        pending = asyncio.ensure_future(link.execute(("BLPOP", "never", 5)))
+        await asyncio.sleep(0.05)
+        link.abort()
+        with pytest.raises(ConnectionError):
+            await pending
+    asyncio.run(main())
+
+
+def test_link_logs_in(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, "--requirepass", "s3cret")
+
+    async def main() -> None:
+        link = await open_link(Address.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/3"))
+        await link.execute(("SET", "k", "v"))
+        assert await link.execute(("SELECT", 3), ("GET", "k")) == [b"OK", b"v"]
+        link.abort()
+        with pytest.raises(RespError):
+            await open_link(Address.from_url(f"redis://:wrong@127.0.0.1:{server.port}/0"))
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_requests_are_admitted_and_answered_by_id(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        first, second = request(dispatcher, 1), request(dispatcher, 3)
+        waiting = [asyncio.ensure_future(dispatcher.submit(admission(r.rows), r, 5))
+                   for r in (first, second)]
+        await asyncio.sleep(0.05)
+        assert int(await client.get(KEYS.rows_waiting("m"))) == 4
+        served = [await serve_one(client), await serve_one(client)]
+        replies = await asyncio.gather(*waiting)
+        assert [s.id for s in served] == [first.id, second.id]
+        assert [r.id for r in replies] == [first.id, second.id]
+        assert [r.batch_rows for r in replies] == [1, 3]
+    run(server, body)
+
+
+def test_a_full_queue_is_refused_without_writing(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        await client.set(KEYS.rows_waiting("m"), 99)
+        with pytest.raises(Overloaded, match="99 rows waiting, limit 100"):
+            await dispatcher.submit(admission(2, 100), request(dispatcher, 2), 5)
+        assert await client.xlen(STREAM) == 0
+    run(server, body)
+
+
+def test_a_flushed_script_cache_is_refilled(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        await client.script_flush()
+        sent = request(dispatcher)
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), sent, 5))
+        assert (await serve_one(client)).id == sent.id
+        assert (await waiting).id == sent.id
+        assert (await client.script_exists(dispatcher._admit_sha)) == [True]
+    run(server, body)
+
+
+def test_a_lone_request_is_marked_and_polled_for(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        waiting = [asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
+                   for _ in range(2)]
+        await asyncio.sleep(0)
+        assert dispatcher._polling
+        served = [await serve_one(client), await serve_one(client)]
+        await asyncio.gather(*waiting)
+        assert [s.params.get("lone") for s in served] == [1, None]
+        await asyncio.sleep(0.01)
+        assert not dispatcher._polling  # nothing in flight: the loop sleeps again
+    run(server, body, busy_poll_s=1.0)
+
+
+def test_without_busy_polling_nothing_is_marked(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
+        await asyncio.sleep(0)
+        assert not dispatcher._polling
+        assert "lone" not in (await serve_one(client)).params
+        await waiting
+    run(server, body)
+
+
+def test_losing_redis_fails_waiting_requests_then_reconnects(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 30))
+        await asyncio.sleep(0.05)
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await waiting
+        assert time.monotonic() - started < 1  # at once, not at the deadline
+        with pytest.raises(Unavailable):
+            await dispatcher.submit(admission(), request(dispatcher), 5)
+        server.start()
+        await asyncio.to_thread(wait_for, lambda: dispatcher.redis_ok, 10, "the links again")
+        sent = request(dispatcher)
+        again = asyncio.ensure_future(dispatcher.submit(admission(), sent, 5))
+        fresh = aioredis.Redis.from_url(server.url)
+        assert (await serve_one(fresh)).id == sent.id
+        assert (await again).id == sent.id
+        await fresh.aclose()
+    run(server, body)

@@ -1,0 +1,150 @@
+"""The lean Redis client (batching.resp) against a real redis-server of its own."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from batching.resp import Address, Connection, RespError, check, encode, encode_all
+from tests.procs import RedisServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("resp"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def conn(server: RedisServer) -> Iterator[Connection]:
+    connection = Connection(Address.from_url(server.url), timeout_s=5)
+    connection.call("FLUSHDB")
+    yield connection
+    connection.close()
+
+
+def test_encode_writes_resp_arrays_of_bulk_strings() -> None:
+    assert encode(("SET", "k", b"\x00\r\n", 5, 1.5)) == (
+        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\n\x00\r\n\r\n$1\r\n5\r\n$3\r\n1.5\r\n")
+    assert encode_all([("PING",), ("ECHO", "é")]) == (
+        b"*1\r\n$4\r\nPING\r\n*2\r\n$4\r\nECHO\r\n$2\r\n\xc3\xa9\r\n")
+
+
+@pytest.mark.parametrize(("url", "want"), [
+    ("redis://127.0.0.1:6390/2", Address("127.0.0.1", 6390, db=2)),
+    ("redis://:s%40cret@cache.example:7000", Address("cache.example", 7000, password="s@cret")),
+    ("redis://app:pw@cache/0", Address("cache", 6379, username="app", password="pw")),
+    ("rediss://cache:6380/1", Address("cache", 6380, db=1, tls=True)),
+    ("unix:///run/redis.sock?db=3", Address(path="/run/redis.sock", db=3)),
+    ("redis://cache?db=4", Address("cache", 6379, db=4)),
+])
+def test_address_reads_the_url_forms_redis_py_reads(url: str, want: Address) -> None:
+    assert Address.from_url(url) == want
+
+
+def test_address_refuses_other_schemes() -> None:
+    with pytest.raises(ValueError, match="http"):
+        Address.from_url("http://cache:6379")
+
+
+def test_login_commands() -> None:
+    assert Address().login() == []
+    assert Address(password="pw", db=2).login() == [("AUTH", "pw"), ("SELECT", 2)]
+    assert Address(username="app", password="pw").login() == [("AUTH", "app", "pw")]
+
+
+def test_execute_pipelines_and_returns_replies_in_order(conn: Connection) -> None:
+    assert conn.execute([("SET", "k", "v"), ("GET", "k"), ("RPUSH", "l", "a", "b"),
+                         ("LRANGE", "l", 0, -1)]) == [b"OK", b"v", 2, [b"a", b"b"]]
+
+
+def test_error_reply_raises_and_leaves_the_connection_usable(conn: Connection) -> None:
+    conn.call("SET", "k", "v")
+    with pytest.raises(RespError, match="WRONGTYPE"):
+        conn.execute([("LPUSH", "k", "x"), ("PING",)])
+    assert conn.call("GET", "k") == b"v"
+
+
+def test_transient_errors_read_as_a_lost_connection() -> None:
+    with pytest.raises(ConnectionError, match="LOADING"):
+        check(RespError("LOADING Redis is loading the dataset in memory"))
+    with pytest.raises(RespError):
+        check(RespError("NOGROUP No such key"))
+    assert check(b"OK") == b"OK"
+
+
+def test_deferred_replies_are_read_before_the_next_command(conn: Connection) -> None:
+    seen: list[list[object]] = []
+    conn.send([("INCR", "n"), ("INCR", "n")], seen.append)
+    conn.send([("INCR", "n")], seen.append)
+    assert conn.call("GET", "n") == b"3"
+    assert seen == [[1, 2], [3]]
+
+
+def test_deferred_error_replies_are_logged_not_raised(conn: Connection,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    conn.call("SET", "k", "v")
+    with caplog.at_level(logging.ERROR, logger="batching.resp"):
+        conn.send([("LPUSH", "k", "x"), ("INCR", "n")])
+        assert conn.call("GET", "n") == b"1"
+    assert "WRONGTYPE" in caplog.text
+
+
+def test_flush_reads_every_deferred_reply(conn: Connection) -> None:
+    seen: list[list[object]] = []
+    conn.send([("INCR", "n")], seen.append)
+    conn.flush()
+    assert seen == [[1]]
+
+
+def test_reconnects_after_redis_restarts(server: RedisServer, conn: Connection) -> None:
+    conn.send([("INCR", "n")])
+    server.stop()
+    with pytest.raises(OSError):
+        conn.call("PING")
+    server.start()
+    assert conn.call("PING") == b"PONG"
+    assert conn.call("GET", "n") is None  # a fresh Redis; nothing stale was read
+
+
+def test_logs_in_and_selects_the_database(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, "--requirepass", "s3cret")
+    try:
+        conn = Connection(Address.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/2"), 5)
+        conn.call("SET", "k", "v")
+        other = redis.Redis(port=server.port, password="s3cret", db=2)
+        assert other.get("k") == b"v"
+        other.close()
+        conn.close()
+        refused = Connection(Address.from_url(f"redis://:wrong@127.0.0.1:{server.port}/0"), 5)
+        with pytest.raises(RespError, match=r"WRONGPASS|invalid"):
+            refused.call("PING")
+    finally:
+        server.stop()
+
+
+def _cpu_while_waiting(conn: Connection, server: RedisServer, spin_s: float) -> float:
+    """CPU seconds this process spends in a BLPOP answered 0.3 s later by another client."""
+    def push() -> None:
+        with redis.Redis(port=server.port) as client:
+            client.rpush("q", "x")
+
+    pusher = threading.Timer(0.3, push)
+    pusher.start()
+    started = time.process_time()
+    assert conn.execute([("BLPOP", "q", 5)], spin_s)[0] == [b"q", b"x"]
+    pusher.join()
+    return time.process_time() - started
+
+
+def test_spin_polls_instead_of_sleeping_then_sleeps(conn: Connection, server: RedisServer) -> None:
+    assert _cpu_while_waiting(conn, server, 0.0) < 0.05
+    assert _cpu_while_waiting(conn, server, 0.15) > 0.05  # about 0.15 s of polling
+    assert _cpu_while_waiting(conn, server, 0.15) < 0.28  # then slept
