@@ -118,13 +118,12 @@ class Dispatcher:
             self._polling = True
             loop.call_soon(self._poll)
         self._outbox.append((admission, request.encode(), fut))
+        # A timer on the future itself: lighter than asyncio.wait_for's extra future.
+        expiry = loop.call_later(max(timeout_s, 0.0), _expire, fut, timeout_s)
         try:
-            return await asyncio.wait_for(fut, timeout=max(timeout_s, 0.0))
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"no result within the request's deadline ({timeout_s * 1000:.0f} ms)"
-            ) from None
+            return await fut
         finally:
+            expiry.cancel()
             self._waiting.pop(request.id, None)
 
     def _poll(self) -> None:
@@ -252,3 +251,9 @@ class Dispatcher:
         fut = self._waiting.get(reply.id)
         if fut is not None and not fut.done():
             fut.set_result(reply)
+
+
+def _expire(fut: asyncio.Future[Reply], timeout_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(DeadlineExceeded(
+            f"no result within the request's deadline ({timeout_s * 1000:.0f} ms)"))
