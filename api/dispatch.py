@@ -152,9 +152,9 @@ class Dispatcher:
 
     def _admitted(self, admission: Admission, data: bytes, fut: asyncio.Future[Reply],
                   reply: Any) -> None:
-        if isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT"):
+        if (isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
+                and self._writer is not None):
             # A new or restarted Redis: EVAL sends the script along and caches it again.
-            assert self._writer is not None
             self._writer.write(encode(("EVAL", ADMIT_LUA, 2, admission.rows_key,
                                        admission.stream, admission.rows, admission.max_rows,
                                        data)),
@@ -208,8 +208,9 @@ class Dispatcher:
                 link.abort()
         self._writer = self._reader = None
 
-    def _pop(self) -> None:
-        if self._reader is None:
+    def _pop(self, on: Link | None = None) -> None:
+        """Send the next pop, on the current reader (only if that is still ``on``)."""
+        if self._reader is None or on not in (None, self._reader):
             return
         self._stall = asyncio.get_running_loop().call_later(POP_STALL_S, self._stalled)
         self._reader.write(self._pop_command, [self._popped])
@@ -226,7 +227,7 @@ class Dispatcher:
             return  # the keeper reconnects
         if isinstance(reply, RespError):
             self._mark_down(reply)
-            asyncio.get_running_loop().call_later(0.1, self._pop)
+            asyncio.get_running_loop().call_later(0.1, self._pop, self._reader)
             return
         if not self.redis_ok:
             log.info("Redis reachable again")

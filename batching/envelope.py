@@ -2,7 +2,8 @@
 
 No code-executing serializer ever touches the wire.
 
-A request entry in a model stream has one field, ``d``: the packed :class:`Request`.
+A request entry in a model stream has two fields: ``d``, the packed :class:`Request`, and
+``r``, its rows (so that an entry that cannot be decoded still releases its rows).
 A reply is one packed :class:`Reply` pushed onto the API process's reply list.
 Tensors travel as raw little-endian bytes with their datatype and shape.
 """
@@ -19,7 +20,9 @@ import numpy.typing as npt
 from batching.datatypes import from_numpy, from_raw, to_raw
 
 FIELD = b"d"
-"""The one field of a request stream entry."""
+"""The field of a request stream entry that holds the packed request."""
+ROWS_FIELD = b"r"
+"""The field holding the request's rows, readable even when the request is not."""
 
 
 @dataclass(slots=True)

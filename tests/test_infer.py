@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from batching.keys import Keys
 from tests.conftest import Stack
 from tests.procs import wait_for
 
@@ -131,3 +132,14 @@ def test_metrics_count_outcomes_and_batch_sizes(echo_stack: Stack) -> None:
     assert "conveyor_request_duration_seconds_bucket" in text
     assert 'conveyor_queue_duration_seconds_count{model="echo"}' in text
     assert 'conveyor_batch_size_bucket{le="1.0",model="echo"}' in text
+
+
+def test_an_unreadable_entry_is_dropped_and_releases_its_rows(echo_stack: Stack) -> None:
+    client, keys = echo_stack.redis(), Keys(echo_stack.prefix)
+    rows_key, stream = keys.rows_waiting("echo"), keys.queue("echo", 2)
+    before = int(client.get(rows_key) or 0)
+    client.incrby(rows_key, 3)  # as the admission script counts an entry it appends
+    client.xadd(stream, {"d": b"\xc1 not a request", "r": 3})
+    wait_for(lambda: client.xlen(stream) == 0 and int(client.get(rows_key) or 0) == before,
+             10, "the entry to be dropped and its rows released")
+    assert infer(echo_stack.url, "echo", body(np.ones((1, 4), np.float32))).status_code == 200

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from redis.exceptions import ResponseError
 
-from batching.envelope import FIELD, Reply, Request
+from batching.envelope import FIELD, ROWS_FIELD, Reply, Request
 from batching.former import Entry
 from batching.keys import GROUP
 from batching.resp import Command, Connection, RespError
@@ -133,10 +133,10 @@ class ModelStreams:
         for raw_id, fields in items:
             entry_id = _text(raw_id)
             try:
-                request = Request.decode(_field(fields))
+                request = Request.decode(_fields(fields)[FIELD])
             except (KeyError, ValueError, TypeError) as exc:
                 log.error("dropping unreadable entry %s %s: %s", stream, entry_id, exc)
-                self._drop(stream, entry_id)
+                self._drop(stream, entry_id, _rows(fields))
                 continue
             entries.append(Entry(stream, entry_id, request, now, deliveries.get(entry_id, 1)))
         return entries
@@ -190,21 +190,33 @@ class ModelStreams:
         self._next_flush = time.monotonic() + FLUSH_EVERY_S
         return commands
 
-    def _drop(self, stream: str, entry_id: str) -> None:
-        """An entry that cannot be decoded has no reply address: acknowledge and delete it."""
+    def _drop(self, stream: str, entry_id: str, rows: int) -> None:
+        """An entry that cannot be decoded has no reply address: acknowledge and delete it,
+        and release its rows from the queue limit."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
+        if rows:
+            pipe.decrby(self.rows_key, rows)
         pipe.execute()
 
 
-def _field(fields: Any) -> bytes:
-    """The packed request of an entry's fields: a dict from redis-py, a flat
-    ``[name, value, ...]`` list from the lean client."""
+def _fields(fields: Any) -> dict[bytes, bytes]:
+    """An entry's fields as a dict: redis-py gives one, the lean client a flat
+    ``[name, value, ...]`` list."""
     if isinstance(fields, list):
-        fields = dict(zip(fields[::2], fields[1::2], strict=True))
-    data: bytes = fields[FIELD]
-    return data
+        return dict(zip(fields[::2], fields[1::2], strict=True))
+    if not isinstance(fields, dict):
+        raise TypeError(f"entry fields are a {type(fields).__name__}")
+    return fields
+
+
+def _rows(fields: Any) -> int:
+    """The rows an entry holds, from its ``r`` field; 0 when even that is unreadable."""
+    try:
+        return max(0, int(_fields(fields)[ROWS_FIELD]))
+    except (KeyError, ValueError, TypeError):
+        return 0
 
 
 def _text(value: bytes | str) -> str:

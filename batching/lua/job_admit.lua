@@ -9,5 +9,5 @@ local rows = tonumber(ARGV[1])
 if waiting + rows > tonumber(ARGV[2]) then
   return {-waiting - 1, ''}
 end
-local id = redis.call('XADD', KEYS[2], '*', 'd', ARGV[3])
+local id = redis.call('XADD', KEYS[2], '*', 'd', ARGV[3], 'r', ARGV[1])
 return {redis.call('INCRBY', KEYS[1], rows), id}
