@@ -1,23 +1,28 @@
 """The API's Prometheus metrics (names fixed by DESIGN section 9; each one is in docs/metrics.md).
 
-Most are counted by this process as it answers. The rest describe state shared by every
-process and are read from Redis when ``/metrics`` is scraped (:meth:`ApiMetrics.refresh`):
-each model's stream lengths, and the totals the workers keep in its stats hash.
+Most are counted by this process as it answers. With ``PROMETHEUS_MULTIPROC_DIR`` set
+(prometheus_client's multiprocess mode, for ``uvicorn --workers N``), every process
+writes its counts there and a scrape of any of them reports the sum over all. The rest
+describe state shared by every process and are read from Redis when ``/metrics`` is
+scraped (:meth:`ApiMetrics.refresh`): each model's stream lengths, and the totals the
+workers keep in its stats hash.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -171,6 +176,17 @@ class ApiMetrics:
         self._series: dict[str, ModelSeries] = {}
         self._shared = _SharedState()
         self.registry.register(self._shared)
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this process's counts, or every process's in
+        multiprocess mode, then the shared state last read from Redis."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not directory:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, directory)
+        registry.register(self._shared)
+        return generate_latest(registry)
 
     def protocol(self, protocol: str) -> Any:
         return self._protocols.get(protocol) or self.protocol_requests.labels(protocol)

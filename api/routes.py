@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.kserve import json_object
 from api.repository import Repository
@@ -131,4 +131,4 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
     async def metrics() -> Response:
         await service.metrics.refresh(service.dispatcher.redis, service.keys, service.models,
                                       {m: w.states for m, w in service.watch.view.items()})
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -143,3 +143,18 @@ def test_an_unreadable_entry_is_dropped_and_releases_its_rows(echo_stack: Stack)
     wait_for(lambda: client.xlen(stream) == 0 and int(client.get(rows_key) or 0) == before,
              10, "the entry to be dropped and its rows released")
     assert infer(echo_stack.url, "echo", body(np.ones((1, 4), np.float32))).status_code == 200
+
+
+def test_api_processes_sharing_a_multiprocess_dir_report_their_sum(make_stack, tmp_path: Path
+                                                                   ) -> None:
+    stack = make_stack(CONVEYOR_MODELS="echo", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    first, second = stack.add_api(), stack.add_api()
+    stack.add_worker()
+    stack.wait_ready()
+    for url in (first, first, first, second, second):
+        assert infer(url, "echo", body(np.ones((1, 4), np.float32))).status_code == 200
+    for url in (first, second):
+        text = httpx.get(f"{url}/metrics").text
+        assert 'conveyor_requests_total{model="echo",outcome="success"} 5.0' in text
+        assert 'conveyor_batch_size_count{model="echo"} 5.0' in text
+        assert "conveyor_queue_depth{" in text  # the state read from Redis is still there
