@@ -345,8 +345,9 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         "each other, not with wrk's",
         "- GPU (H200) results: [RESULTS-gpu.md](RESULTS-gpu.md); batching policy: "
         "[RESULTS-batching.md](RESULTS-batching.md)",
-        "- conveyor: default settings and the model's bench config (bench/models.py), own "
-        "redis-server, gRPC and probe ports; extra environment: "
+        "- conveyor: default settings (so busy polling for lone requests, "
+        "`CONVEYOR_BUSY_POLL_US=1000`: docs/data-path.md section 7) and the model's bench "
+        "config (bench/models.py), own redis-server, gRPC and probe ports; extra environment: "
         + (", ".join(f"`{kv}`" for kv in args.conveyor_env) or "none"), "",
     ]
     ratios: list[str] = []
