@@ -2,7 +2,7 @@
 
 Each command's reply is handed to the callback written with it, first in, first out,
 straight from ``data_received``: no task switch, no connection pool, about 15 µs of
-Python a command instead of redis-py's 100 (docs/data-path.md, "The Redis client").
+Python a command instead of redis-py's 100 (docs/data-path.md section 7).
 Used for the two per-request commands, admission and reply popping; everything else
 stays on redis-py.
 """

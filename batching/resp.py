@@ -4,7 +4,7 @@ redis-py spends 60-80 µs of Python per command on our 2-core benchmark box (con
 pool, retry wrapper, argument normalisation, response callbacks); a request crosses
 Redis four times, so that alone was a third of a tiny model's latency. Here a command
 is one ``bytes`` join and its reply one ``hiredis`` parse: about 15 µs a command
-(docs/data-path.md, "The Redis client"). Only the per-request commands use it; every
+(docs/data-path.md section 7). Only the per-request commands use it; every
 other Redis call stays on redis-py.
 
 :class:`Connection` is the blocking client of an inference process. Its :meth:`send`

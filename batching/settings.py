@@ -27,10 +27,10 @@ class Settings(BaseSettings):
     """Most Celery task events (one per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer events. 0 sends none."""
     busy_poll_us: int = 1000
-    """How long a process that goes quiet polls, yielding its CPU to anything runnable,
-    before it sleeps: an inference process after each batch, the API while it awaits a
-    reply. A sleeping virtual CPU wakes slowly and with cold caches (docs/data-path.md,
-    "Busy polling"); 0 turns it off."""
+    """How long a process polls, yielding its CPU to anything runnable, before it sleeps,
+    around a lone request (the only one its API process has in flight): the API while it
+    awaits the reply, an inference process after running it. A sleeping virtual CPU
+    wakes slowly and with cold caches (docs/data-path.md section 7); 0 turns it off."""
     job_result_ttl_s: int = 86_400
     """How long a finished job's state and result stay readable."""
     job_max_bytes: int = 64 * 1024 * 1024
