@@ -8,8 +8,9 @@ is one ``bytes`` join and its reply one ``hiredis`` parse: about 15 µs a comman
 other Redis call stays on redis-py.
 
 :class:`Connection` is the blocking client of an inference process. Its :meth:`send`
-writes commands now and reads their replies later, before the next command's: a worker
-answers a batch and goes straight back to reading without waiting a round trip.
+writes commands now and reads their replies later, before the next command's (or at
+:meth:`Connection.flush`): a worker answers a batch and goes straight back to reading
+without waiting a round trip.
 """
 
 from __future__ import annotations

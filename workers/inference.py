@@ -114,9 +114,11 @@ class InferenceLoop:
                 # Buffered counters still waiting: wake up soon to send them.
                 block = FLUSH_BLOCK_MS if self.streams.counts_pending else BLOCK_MS
             if room > 0:
-                # Poll, not sleep, only after a lone request: under more load the loop
-                # seldom sleeps, and polling would take CPU from the processes feeding it.
-                self._arrived(self.streams.read(room, block, poll=self._lone))
+                # Poll, not sleep, only in the first wait after a lone request: under more
+                # load the loop seldom sleeps, and polling would take CPU from the
+                # processes feeding it.
+                poll, self._lone = self._lone, False
+                self._arrived(self.streams.read(room, block, poll=poll))
             now = time.time()
         elif not self.stopping and self.former.best_priority > 1:
             # Full of lower-priority work (job chunks, say): still let urgent requests in,
@@ -159,6 +161,7 @@ class InferenceLoop:
         self.streams.count({"reclaimed_count": len(claimed)})
 
     def run(self, batch: Batch) -> None:
+        self.streams.settle()
         self.shared.busy_since = time.monotonic()
         started = time.time()
         try:

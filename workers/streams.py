@@ -166,6 +166,12 @@ class ModelStreams:
             commands.append(("DECRBY", self.rows_key, rows))
         self._link.send(commands)
 
+    def settle(self) -> None:
+        """Wait until Redis has applied every answer sent. Run before each batch: a batch
+        that kills the process must not take unapplied answers down with it (a socket
+        closed with unread replies is reset, and Redis drops what it had not read yet)."""
+        self._link.flush()
+
     def count(self, counters: Mapping[str, int]) -> None:
         """Add to the model's stats hash, with the next flush."""
         self._counts.update(counters)
