@@ -10,7 +10,6 @@ stays on redis-py.
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -98,7 +97,7 @@ async def open_link(address: Address, timeout_s: float = 1.0) -> Link:
     else:
         connecting = loop.create_connection(
             Link, address.host, address.port,
-            ssl=ssl.create_default_context() if address.tls else None)
+            ssl=address.ssl_context())
     _, link = await asyncio.wait_for(connecting, timeout_s)
     login = address.login()
     try:

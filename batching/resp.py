@@ -74,6 +74,10 @@ class Address:
     username: str | None = None
     password: str | None = None
     tls: bool = False
+    tls_verify: str = "required"
+    """``ssl_cert_reqs`` of the URL, as redis-py reads it: required, optional or none."""
+    ca_certs: str | None = None
+    """``ssl_ca_certs`` of the URL: a CA bundle to trust instead of the system's."""
 
     @classmethod
     def from_url(cls, url: str) -> Address:
@@ -88,7 +92,22 @@ class Address:
                    path=parsed.path if parsed.scheme == "unix" else None, db=int(db_text),
                    username=unquote(parsed.username) if parsed.username else None,
                    password=unquote(parsed.password) if parsed.password else None,
-                   tls=parsed.scheme == "rediss")
+                   tls=parsed.scheme == "rediss",
+                   tls_verify=(query.get("ssl_cert_reqs") or ["required"])[0].lower(),
+                   ca_certs=next(iter(query.get("ssl_ca_certs", [])), None))
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of a ``rediss://`` URL; None for plain connections."""
+        if not self.tls:
+            return None
+        context = ssl.create_default_context(cafile=self.ca_certs)
+        if self.tls_verify == "none":
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        elif self.tls_verify == "optional":
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_OPTIONAL
+        return context
 
     def login(self) -> list[Command]:
         """Commands to send first on a new connection: AUTH and SELECT, as needed."""
@@ -220,9 +239,9 @@ class Connection:
             sock = socket.create_connection((address.host, address.port),
                                             timeout=self.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if address.tls:
-                sock = ssl.create_default_context().wrap_socket(sock,
-                                                                server_hostname=address.host)
+            context = address.ssl_context()
+            if context is not None:
+                sock = context.wrap_socket(sock, server_hostname=address.host)
         sock.settimeout(self.timeout_s)
         self._sock, self._reader = sock, new_reader()
         self._poller = select.poll()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +49,15 @@ def test_encode_writes_resp_arrays_of_bulk_strings() -> None:
 ])
 def test_address_reads_the_url_forms_redis_py_reads(url: str, want: Address) -> None:
     assert Address.from_url(url) == want
+
+
+def test_tls_options_follow_redis_py_query_parameters() -> None:
+    assert Address.from_url("redis://cache").ssl_context() is None
+    strict = Address.from_url("rediss://cache").ssl_context()
+    assert strict is not None and strict.verify_mode == ssl.CERT_REQUIRED and strict.check_hostname
+    loose = Address.from_url("rediss://cache?ssl_cert_reqs=none").ssl_context()
+    assert loose is not None and loose.verify_mode == ssl.CERT_NONE and not loose.check_hostname
+    assert Address.from_url("rediss://c?ssl_ca_certs=/etc/ca.pem").ca_certs == "/etc/ca.pem"
 
 
 def test_address_refuses_other_schemes() -> None:
