@@ -94,6 +94,35 @@ def test_in_flight_requests_finish_across_an_unload(stack: Stack, http: Client) 
     assert http.infer("slow", [echo_input(1.0)]).as_numpy("y")[0, 0] == 2.0
 
 
+def test_requests_left_unread_by_an_unload_get_404_at_once(stack: Stack, http: Client) -> None:
+    """20 requests for the slow model (600 ms a batch of up to 8), all admitted: the
+    unload lets the running batch finish and answers the unread rest with 404, long before
+    their deadlines."""
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}],
+            "parameters": {"timeout": 25_000_000}}
+    client = stack.redis()
+    rows = f"{stack.prefix}:{{slow}}:rows"
+
+    def infer(_: int) -> tuple[int, str, float]:
+        response = httpx.post(f"{stack.url}/v2/models/slow/infer", json=body, timeout=60)
+        return response.status_code, response.text, time.monotonic()
+
+    with ThreadPoolExecutor(20) as pool:
+        results = pool.map(infer, range(20))
+        wait_for(lambda: int(client.get(rows) or 0) == 20, 10, "all 20 requests admitted")
+        unloaded = time.monotonic()
+        http.unload_model("slow")
+        outcomes = list(results)
+    statuses = sorted(status for status, _, _ in outcomes)
+    assert set(statuses) == {200, 404} and statuses.count(404) >= 8, statuses
+    assert all("was unloaded before this request ran" in text
+               for status, text, _ in outcomes if status == 404)
+    assert max(at for _, _, at in outcomes) - unloaded < 10  # not at the 25 s deadline
+    wait_for(lambda: int(client.get(rows) or 0) == 0, 10,
+             "the rows of the turned-away requests to be released")
+    http.load_model("slow")
+
+
 def test_hot_load_of_a_new_folder_and_a_broken_one(stack: Stack, http: Client) -> None:
     shutil.copytree(TEST_MODELS / "echo", stack.repository / "echo_late")
     assert index(stack)["echo_late"] == {"name": "echo_late", "version": "1",

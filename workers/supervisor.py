@@ -27,9 +27,11 @@ import redis
 from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.repository import load_model_config, load_repository
+from batching.resp import RespError
 from batching.settings import Settings
 from workers.process import serve
 from workers.shared_state import ProcState, SharedState
+from workers.unload import turn_away
 
 log = logging.getLogger("conveyor.supervisor")
 
@@ -232,10 +234,20 @@ class Supervisor:
                 log.info("unloading %s", model)
                 for slot in slots:
                     slot.retired = True
-                threading.Thread(target=_stop_processes, daemon=True,
-                                 args=([s.process for s in slots if s.process],)).start()
+                threading.Thread(target=self._unload, daemon=True,
+                                 args=(model, [s.process for s in slots if s.process])).start()
             elif state == "loaded" and (not slots or all(s.retired for s in slots)):
                 self._load(model, slots)
+
+    def _unload(self, model: str, processes: list[BaseProcess]) -> None:
+        """Stop the model's processes, then answer what they left unread."""
+        _stop_processes(processes)
+        config = self.models.get(model)
+        try:
+            turn_away(self._redis, self.settings.redis_url, self.keys, model,
+                      config.queue.priority_levels if config else 1)
+        except (*REDIS_ERRORS, RespError) as exc:
+            log.warning("could not answer the unread requests of %s: %s", model, exc)
 
     def _load(self, model: str, old: list[Slot]) -> None:
         if self.settings.model_filter() and model not in self.settings.model_filter():
