@@ -5,12 +5,13 @@ the numbers are the sum over every worker and inference process. What is measure
 
 * ``success``, ``fail``: requests answered, and the time from enqueue to answer;
 * ``queue``: time from enqueue until the request's batch started;
-* ``compute_infer``: the batch's execution time, counted once per request in it;
-* ``batch_stats``: per executed batch size, executions and their compute time.
+* ``compute_input``, ``compute_infer``, ``compute_output``: the batch's time stacking
+  (and padding) its inputs, in the model, and splitting and packing its outputs, each
+  counted once per request in the batch, as Triton counts them;
+* ``batch_stats``: per executed batch size, executions and their time in each phase.
 
-``compute_input`` and ``compute_output`` are not measured separately (they are part
-of ``compute_infer``) and report zero counts; ``cache_hit``/``cache_miss`` are zero
-(conveyor has no response cache) and so is ``last_inference``.
+``cache_hit``/``cache_miss`` are zero (conveyor has no response cache) and so is
+``last_inference``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batching.errors import Unavailable
-from batching.keys import Keys
+from batching.keys import COMPUTE_PHASES, Keys
 
 _ZERO = {"count": 0, "ns": 0}
+
 
 
 async def statistics(redis: Redis, keys: Keys, models: list[str]) -> dict[str, Any]:
@@ -50,12 +52,9 @@ def model_statistics(model: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
         kind, _, rest = key.partition(":")
         rows, _, what = rest.partition(":")
         if kind == "batch" and what == "count" and rows.isdigit():
-            batches.append({
-                "batch_size": int(rows),
-                "compute_input": dict(_ZERO),
-                "compute_infer": {"count": count, "ns": counters.get(f"batch:{rows}:ns", 0)},
-                "compute_output": dict(_ZERO),
-            })
+            batches.append({"batch_size": int(rows), **{
+                phase: {"count": count, "ns": counters.get(f"batch:{rows}:{phase}_ns", 0)}
+                for phase in COMPUTE_PHASES}})
     batches.sort(key=lambda b: b["batch_size"])
     return {
         "name": model,
@@ -67,9 +66,7 @@ def model_statistics(model: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
             "success": duration("success"),
             "fail": duration("fail"),
             "queue": duration("queue"),
-            "compute_input": dict(_ZERO),
-            "compute_infer": duration("compute_infer"),
-            "compute_output": dict(_ZERO),
+            **{phase: duration(phase) for phase in COMPUTE_PHASES},
             "cache_hit": dict(_ZERO),
             "cache_miss": dict(_ZERO),
         },

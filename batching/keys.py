@@ -12,6 +12,11 @@ GROUP = "workers"
 """The consumer group every inference process reads a model's streams with."""
 
 
+COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")
+"""Fields of a model's stats hash (``{phase}_count``, ``{phase}_ns`` and per batch size
+``batch:{rows}:{phase}_ns``): stacking inputs, running the model, packing outputs."""
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "cv"

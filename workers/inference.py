@@ -26,7 +26,7 @@ from batching.datatypes import from_numpy
 from batching.envelope import Reply, Tensor
 from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
 from batching.former import Batch, BatchFormer, Entry, Layout
-from batching.keys import Keys
+from batching.keys import COMPUTE_PHASES, Keys
 from batching.memory import RowCap
 from batching.policy import make_policy
 from workers.backends import LoadedModel, is_fatal_device_error, is_out_of_memory
@@ -75,6 +75,9 @@ class InferenceLoop:
         self.stopping = False
         self._lone = False
         """The last batch was :attr:`Batch.lone`."""
+        self._phase_ns = [0, 0, 0]
+        """Nanoseconds the running batch spent stacking inputs, in the model, and splitting
+        and packing outputs (Triton's compute_input, compute_infer, compute_output)."""
         self.batches = 0
         self.rows = 0
         self._out_types = {t.name: t.datatype for t in config.outputs}
@@ -164,6 +167,7 @@ class InferenceLoop:
         self.streams.settle()
         self.shared.busy_since = time.monotonic()
         started = time.time()
+        self._phase_ns = [0, 0, 0]
         try:
             answered = self._run_entries(batch.entries, started)
         finally:
@@ -172,7 +176,7 @@ class InferenceLoop:
         self.batches += 1
         self.rows += batch.rows
         self._lone = batch.lone
-        counters = _batch_counters(answered, batch.rows, started, finished)
+        counters = _batch_counters(answered, batch.rows, started, finished, self._phase_ns)
         counters[f"reason:{batch.reason}"] = 1
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
         self.streams.answer(answered, counters)
@@ -185,8 +189,14 @@ class InferenceLoop:
     def _run_entries(self, entries: list[Entry], started: float) -> list[tuple[Entry, Reply]]:
         rows = sum(e.rows for e in entries)
         batch = Batch(entries, "", self.former.layout)
+        phases = self._phase_ns
+        begun = time.perf_counter_ns()
         try:
-            outputs = self._predict(batch.stacked_inputs(), rows)
+            inputs = batch.stacked_inputs()
+            stacked = time.perf_counter_ns()
+            phases[0] += stacked - begun
+            outputs = self._predict(inputs, rows)
+            phases[1] += time.perf_counter_ns() - stacked
         except ConveyorError as exc:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
                     for e in entries]
@@ -199,6 +209,7 @@ class InferenceLoop:
         self.row_cap.on_success(rows)
         self._publish_cap()
         exec_ms = (time.time() - started) * 1000.0
+        splitting = time.perf_counter_ns()
         answered = []
         for entry, own in zip(entries, batch.split(outputs), strict=True):
             wanted = entry.request.outputs
@@ -207,6 +218,7 @@ class InferenceLoop:
             answered.append((entry, Reply(
                 entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
                 queue_ms=max(0.0, started * 1000.0 - entry.request.enq_ms))))
+        phases[2] += time.perf_counter_ns() - splitting
         return answered
 
     def _oom_alone(self, entry: Entry) -> Reply:
@@ -282,26 +294,32 @@ class _OutOfMemory(Exception):
 
 
 def _batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: float,
-                    finished: float) -> dict[str, int]:
-    """Triton-style statistics of one executed batch, added to the model's stats hash."""
+                    finished: float, phase_ns: list[int]) -> dict[str, int]:
+    """Triton-style statistics of one executed batch, added to the model's stats hash.
+
+    Like Triton, each request in the batch is charged the batch's compute phases."""
     exec_ns = int((finished - started) * 1e9)
     ok = [e for e, reply in answered if reply.ok]
     failed = [e for e, reply in answered if not reply.ok]
+    n = len(answered)
 
     def since_enqueued_ns(entries: list[Entry], until: float) -> int:
         return sum(int(max(0.0, until * 1000.0 - e.request.enq_ms) * 1e6) for e in entries)
 
-    return {
+    counters = {
         "inference_count": rows,
         "execution_count": 1,
         "success_count": len(ok),
         "success_ns": since_enqueued_ns(ok, finished),
         "fail_count": len(failed),
         "fail_ns": since_enqueued_ns(failed, finished),
-        "queue_count": len(answered),
+        "queue_count": n,
         "queue_ns": since_enqueued_ns([e for e, _ in answered], started),
-        "compute_infer_count": len(answered),
-        "compute_infer_ns": exec_ns * len(answered),
         f"batch:{rows}:count": 1,
         f"batch:{rows}:ns": exec_ns,
     }
+    for phase, ns in zip(COMPUTE_PHASES, phase_ns, strict=True):
+        counters[f"{phase}_count"] = n
+        counters[f"{phase}_ns"] = ns * n
+        counters[f"batch:{rows}:{phase}_ns"] = ns
+    return counters
