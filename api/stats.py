@@ -10,8 +10,9 @@ the numbers are the sum over every worker and inference process. What is measure
   counted once per request in the batch, as Triton counts them;
 * ``batch_stats``: per executed batch size, executions and their time in each phase.
 
-``cache_hit``/``cache_miss`` are zero (conveyor has no response cache) and so is
-``last_inference``.
+``last_inference`` is when a worker last finished a batch (ms since the epoch; workers
+set it, so it is the latest of theirs). ``cache_hit``/``cache_miss`` are zero (conveyor
+has no response cache).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def model_statistics(model: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
     return {
         "name": model,
         "version": "1",
-        "last_inference": 0,
+        "last_inference": counters.get("last_inference", 0),
         "inference_count": counters.get("inference_count", 0),
         "execution_count": counters.get("execution_count", 0),
         "inference_stats": {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import re
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -184,6 +185,7 @@ def test_statistics_count_requests_and_batches(stack: Stack, client: Client) -> 
     infer = stats["inference_stats"]
     assert infer["success"]["count"] - before["inference_stats"]["success"]["count"] == 2
     assert infer["success"]["ns"] > 0
+    assert abs(stats["last_inference"] / 1000 - time.time()) < 60
     for phase in ("compute_input", "compute_infer", "compute_output"):
         assert infer[phase]["count"] - before["inference_stats"][phase]["count"] == 2, phase
         assert infer[phase]["ns"] > before["inference_stats"][phase]["ns"], phase

@@ -179,6 +179,7 @@ class InferenceLoop:
         counters = _batch_counters(answered, batch.rows, started, finished, self._phase_ns)
         counters[f"reason:{batch.reason}"] = 1
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
+        self.streams.note("last_inference", int(finished * 1000))
         self.streams.answer(answered, counters)
         done = time.time()
         self.events(batch.rows, done - started, batch.reason)

@@ -43,6 +43,7 @@ class ModelStreams:
         self.stats_key = stats_key
         self.rows_key = rows_key
         self._counts: Counter[str] = Counter()
+        self._latest: dict[str, int] = {}
         self._next_flush = 0.0
         self.consumer = consumer
 
@@ -176,13 +177,18 @@ class ModelStreams:
         """Add to the model's stats hash, with the next flush."""
         self._counts.update(counters)
 
+    def note(self, name: str, value: int) -> None:
+        """Set a field of the model's stats hash (a latest value, not a sum), with the
+        next flush."""
+        self._latest[name] = value
+
     @property
     def counts_pending(self) -> bool:
-        return bool(self._counts)
+        return bool(self._counts or self._latest)
 
     def flush_counts(self, force: bool = False) -> None:
         """Send the buffered counters if any are due (all of them when ``force``)."""
-        if self._counts and (force or time.monotonic() >= self._next_flush):
+        if self.counts_pending and (force or time.monotonic() >= self._next_flush):
             self._link.send(self._due_counts())
         if force:
             self._link.flush()
@@ -192,7 +198,11 @@ class ModelStreams:
         HINCRBYs per batch would cost more than the batch itself for a small model."""
         commands: list[Command] = [("HINCRBY", self.stats_key, name, amount)
                                    for name, amount in self._counts.items()]
+        if self._latest:
+            commands.append(("HSET", self.stats_key,
+                             *(item for pair in self._latest.items() for item in pair)))
         self._counts.clear()
+        self._latest.clear()
         self._next_flush = time.monotonic() + FLUSH_EVERY_S
         return commands
 
