@@ -76,6 +76,8 @@ class Repository:
             name = raw_name.decode()
             if self._seen.get(name) == value or not self._serves(name):
                 continue
+            if _ts(value) < _ts(self._seen.get(name)):
+                continue  # read before a change this process made meanwhile: stale
             self._seen[name] = value
             state = orjson.loads(value).get("state")
             if state == "unloaded":
@@ -171,3 +173,8 @@ class Repository:
 def _is_model(folder: Path) -> bool:
     return (folder.is_dir() and not folder.name.startswith(".")
             and (artifact_backend(folder) is not None or (folder / "config.yaml").exists()))
+
+
+def _ts(value: bytes | None) -> float:
+    """When a repository hash value was recorded (0 for none)."""
+    return float(orjson.loads(value).get("ts", 0)) if value else 0.0
