@@ -70,13 +70,18 @@ def test_flower_lists_the_job_task_with_progress_and_every_batch(stack: tuple[St
     job = tasks(flower, taskname="conveyor.job")[job_id]
     assert job["worker"].startswith("jobs-") and job["runtime"] > 0
 
+    def batch_rows() -> int:
+        return sum(json.loads(b["kwargs"])["rows"]
+                   for b in tasks(flower, taskname="conveyor.batch[echo]").values())
+
+    # Batch events go out every 0.25 s, so the last ones reach Flower after the job ends.
+    wait_for(lambda: batch_rows() >= 6000, 10, "Flower to have every batch's event")
     batches = tasks(flower, taskname="conveyor.batch[echo]")
     assert len(batches) >= 6000 // 32
     one = next(iter(batches.values()))
     assert one["state"] == "SUCCESS" and one["runtime"] > 0.015  # echo sleeps 20 ms a batch
     assert json.loads(one["kwargs"])["rows"] >= 1
     assert one["worker"].startswith("worker-")
-    assert sum(json.loads(b["kwargs"])["rows"] for b in batches.values()) >= 6000
 
     metrics = httpx.get(f"{flower}/metrics").text
     assert 'task="conveyor.batch[echo]"' in metrics
