@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -47,5 +48,52 @@ class Settings(BaseSettings):
     """Lease of a running job, renewed every third of it; a job whose lease lapses (its
     worker died) is resumed from its finished chunks by another job worker."""
 
+    # --- Limits (Triton's defaults where Triton has one) ---------------------------------
+    max_request_bytes: int = 64 * 1024 * 1024
+    """Largest request after decompression, HTTP (413) and gRPC (RESOURCE_EXHAUSTED); it
+    also bounds gRPC messages received and sent."""
+    large_body_bytes: int = 1024 * 1024
+    """A request body at least this large counts as large (see ``max_large_bodies``)."""
+    max_large_bodies: int = 8
+    """Large bodies read or inflated at once in one API process (infer and jobs); more
+    wait their turn."""
+    http_keepalive_s: float = 5.0
+    """An idle keep-alive HTTP connection is closed after this long."""
+    http_header_timeout_s: float = 10.0
+    """A connection must send a request's complete headers within this long."""
+    http_body_timeout_s: float = 30.0
+    """A request body must arrive within this long (408 otherwise)."""
+    http_max_connections: int = 2048
+    """Open HTTP connections one API process accepts; more are closed at once."""
+
+    # --- Listeners ------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    """Address every listener binds (HTTP, gRPC, worker probe, Flower under ``conveyor
+    run``). Anything but loopback without ``api_keys_file`` needs ``allow_unauthenticated``."""
+    grpc_reuseport: bool = False
+    """Let several API processes share the gRPC port (SO_REUSEPORT). Off: a port taken by
+    another program is an error at start."""
+    tls_cert_file: Path | None = None
+    """PEM certificate chain: HTTP and gRPC then speak TLS only."""
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+    """When set, clients must present a certificate signed by this CA (mutual TLS)."""
+
+    # --- Authentication and control -------------------------------------------------------
+    api_keys_file: Path | None = None
+    """One key per line: ``<key> <scope>[,<scope>...]``, scopes infer, jobs, admin. Re-read
+    when it changes. Unset: no authentication (listeners on loopback only)."""
+    auth_health: bool = False
+    """Health endpoints need a key too (any scope)."""
+    auth_metrics: bool = False
+    """``/metrics`` needs a key too (any scope)."""
+    allow_unauthenticated: bool = False
+    """Allow binding beyond loopback with no ``api_keys_file``."""
+    model_control: Literal["none", "explicit"] = "none"
+    """Repository load/unload over HTTP and gRPC: ``none`` refuses them (Triton's
+    ``--model-control-mode``); ``explicit`` allows them to ``admin`` keys."""
+    callback_hosts: str = ""
+    """Comma-separated host names or addresses job ``callback_url`` may name; loopback,
+    link-local and private addresses are refused unless listed. Empty: no callbacks."""
     def model_filter(self) -> set[str]:
         return {m.strip() for m in self.models.split(",") if m.strip()}
