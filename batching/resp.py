@@ -22,11 +22,13 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 import hiredis
+
+from batching.urls import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class Address:
     path: str | None = None
     db: int = 0
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     tls: bool = False
     tls_verify: str = "required"
     """``ssl_cert_reqs`` of the URL, as redis-py reads it: required, optional or none."""
@@ -83,7 +85,7 @@ class Address:
     def from_url(cls, url: str) -> Address:
         parsed = urlparse(url)
         if parsed.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported Redis URL scheme {parsed.scheme!r}: {url}")
+            raise ValueError(f"unsupported Redis URL scheme {parsed.scheme!r}: {mask_url(url)}")
         query = parse_qs(parsed.query)
         db_text = (query.get("db") or [""])[0] or parsed.path.lstrip("/") or "0"
         if parsed.scheme == "unix":
