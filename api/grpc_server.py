@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -171,8 +171,10 @@ class GrpcEndpoint:
     """The gRPC server and the task that keeps its health status in step with readiness."""
 
     def __init__(self, service: InferenceService, repository: Repository, port: int,
-                 interval_s: float) -> None:
+                 interval_s: float,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self._service = service
+        self._interceptors = list(interceptors)
         self._servicer = InferenceServicer(service, repository)
         self._port = port
         self._interval_s = interval_s
@@ -180,7 +182,7 @@ class GrpcEndpoint:
 
     async def start(self) -> None:
         """Bind and serve; the server is built here, inside the running event loop."""
-        self._server = grpc.aio.server(options=OPTIONS)
+        self._server = grpc.aio.server(options=OPTIONS, interceptors=self._interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -10,6 +10,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from api.auth import Guard, KeyStore
+from api.auth_grpc import AuthInterceptor
+from api.auth_http import AuthGuard
 from api.dispatch import Dispatcher
 from api.grpc_server import GrpcEndpoint
 from api.health import WorkerWatch
@@ -36,8 +39,9 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics())
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s)
+    guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
     grpc_endpoint = GrpcEndpoint(service, repository, settings.grpc_port,
-                                 settings.heartbeat_interval_s)
+                                 settings.heartbeat_interval_s, [AuthInterceptor(guard)])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -57,7 +61,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     app = FastAPI(title="conveyor", version=VERSION, lifespan=lifespan)
     add_routes(app, service, repository)
     app.include_router(jobs_router(service, settings))
-    return InferRoute(app, service)
+    return AuthGuard(InferRoute(app, service), guard)
 
 
 app = create_app()

@@ -54,10 +54,41 @@ class Unavailable(ConveyorError):
     grpc_status = "UNAVAILABLE"
 
 
+class PayloadTooLarge(ConveyorError):
+    """A request body above ``max_request_bytes``, before or after decompression."""
+
+    code = "payload_too_large"
+    http_status = 413
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class ModelControlDisabled(Unavailable):
+    """Repository load or unload while model control is off (Triton's model control
+    mode NONE answers UNAVAILABLE too)."""
+
+    code = "model_control_disabled"
+
+
 class DeadlineExceeded(ConveyorError):
     code = "deadline_exceeded"
     http_status = 504
     grpc_status = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(ConveyorError):
+    """No API key, or one the keys file does not hold."""
+
+    code = "unauthenticated"
+    http_status = 401
+    grpc_status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ConveyorError):
+    """A known API key without the scope the endpoint needs."""
+
+    code = "permission_denied"
+    http_status = 403
+    grpc_status = "PERMISSION_DENIED"
 
 
 class ModelFailure(ConveyorError):
@@ -71,7 +102,8 @@ class ModelFailure(ConveyorError):
 _BY_CODE: dict[str, type[ConveyorError]] = {
     cls.code: cls
     for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
-                DeadlineExceeded, ModelFailure)
+                DeadlineExceeded, ModelFailure, ModelControlDisabled, Unauthenticated,
+                PermissionDenied, PayloadTooLarge)
 }
 
 

@@ -108,6 +108,7 @@ def test_every_error_maps_to_a_grpc_status_code() -> None:
     table = status_table()
     assert {code: http for code, (http, _) in table.items()} == {
         "internal": 500, "invalid_input": 400, "not_found": 404, "overloaded": 429,
-        "unavailable": 503, "deadline_exceeded": 504, "model_failure": 500}
+        "unavailable": 503, "deadline_exceeded": 504, "model_failure": 500,
+        "unauthenticated": 401, "permission_denied": 403, "payload_too_large": 413}
     for _, name in table.values():
         assert isinstance(grpc.StatusCode[name], grpc.StatusCode)
