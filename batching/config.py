@@ -1,18 +1,24 @@
-"""A model's configuration: the ``config.yaml`` keys of DESIGN section 8, typed."""
+"""A model's configuration: the ``config.yaml`` keys of DESIGN section 8, typed.
+
+Validation of the keys lives in :mod:`batching.config_schema`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from batching.datatypes import DATATYPES
+from batching.config_schema import (
+    BACKENDS,
+    BatchingSchema,
+    ConfigError,
+    InstanceSchema,
+    QueueSchema,
+    TensorSchema,
+    parse_config,
+)
 
-BACKENDS = {"torchscript": "model.pt", "torch_export": "model.pt2", "onnx": "model.onnx",
-            "python": "model.py"}
-
-
-class ConfigError(ValueError):
-    """A ``config.yaml`` that cannot be served; the message names the key."""
+__all__ = ["BACKENDS", "BatchingConfig", "ConfigError", "InstanceGroup", "ModelConfig",
+           "QueueConfig", "TensorSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,86 +84,33 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, name: str, raw: dict[str, Any], backend: str | None = None) -> ModelConfig:
-        """Parse a ``config.yaml`` mapping; ``backend`` is the one inferred from the artifact."""
-        known = {"backend", "max_batch_size", "inputs", "outputs", "batching", "queue",
-                 "execution_timeout_s", "max_deliveries", "max_batch_cost", "instances",
-                 "parameters", "platform"}
-        unknown = set(raw) - known
-        if unknown:
-            raise ConfigError(f"{name}: unknown keys {sorted(unknown)}")
-        chosen = raw.get("backend") or backend
-        if chosen not in BACKENDS:
-            raise ConfigError(f"{name}: backend must be one of {sorted(BACKENDS)}, got {chosen!r}")
-        max_batch = _int(name, "max_batch_size", raw.get("max_batch_size", 64), minimum=1)
-        queue = QueueConfig(**_section(name, "queue", raw.get("queue"), QueueConfig))
-        if not 1 <= queue.default_priority <= queue.priority_levels:
-            raise ConfigError(f"{name}: queue.default_priority must be within 1..priority_levels")
+        """Parse a ``config.yaml`` mapping; ``backend`` is the one inferred from the artifact.
+
+        Raises :class:`ConfigError` naming ``name``, the key path and the reason."""
+        schema, chosen = parse_config(name, raw, backend)
+        batching = schema.batching or BatchingSchema()
+        queue = schema.queue or QueueSchema()
         return cls(
             name=name,
             backend=chosen,
-            max_batch_size=max_batch,
-            inputs=_tensors(name, "inputs", raw.get("inputs") or []),
-            outputs=_tensors(name, "outputs", raw.get("outputs") or []),
-            batching=BatchingConfig(**_section(name, "batching", raw.get("batching"), BatchingConfig)),
-            queue=queue,
-            execution_timeout_s=float(raw.get("execution_timeout_s", 60.0)),
-            max_deliveries=_int(name, "max_deliveries", raw.get("max_deliveries", 3), minimum=1),
-            max_batch_cost=_cost(name, raw.get("max_batch_cost")),
-            instances=tuple(
-                InstanceGroup(**_section(name, f"instances[{i}]", item, InstanceGroup))
-                for i, item in enumerate(raw.get("instances") or [{}])
-            ),
-            parameters=dict(raw.get("parameters") or {}),
+            max_batch_size=schema.max_batch_size,
+            inputs=tuple(_tensor(t) for t in schema.inputs or ()),
+            outputs=tuple(_tensor(t) for t in schema.outputs or ()),
+            batching=BatchingConfig(batching.max_queue_delay_us,
+                                    tuple(batching.preferred_batch_sizes),
+                                    batching.latency_target_ms, batching.adaptive),
+            queue=QueueConfig(queue.priority_levels, queue.default_priority,
+                              queue.max_queue_rows, queue.default_timeout_ms),
+            execution_timeout_s=schema.execution_timeout_s,
+            max_batch_cost=schema.max_batch_cost,
+            max_deliveries=schema.max_deliveries,
+            instances=tuple(InstanceGroup(g.device, g.count)
+                            for g in schema.instances or [InstanceSchema()]),
+            parameters=dict(schema.parameters or {}),
         )
 
 
-def _int(model: str, key: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{model}: {key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _cost(model: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ConfigError(f"{model}: max_batch_cost must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _section(model: str, key: str, raw: Any, kind: Any) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{model}: {key} must be a mapping")
-    allowed = set(kind.__dataclass_fields__)
-    unknown = set(raw) - allowed
-    if unknown:
-        raise ConfigError(f"{model}: unknown keys in {key}: {sorted(unknown)}")
-    out = dict(raw)
-    if "preferred_batch_sizes" in out:
-        out["preferred_batch_sizes"] = tuple(int(v) for v in out["preferred_batch_sizes"])
-    return out
-
-
-def _tensors(model: str, key: str, raw: list[Any]) -> tuple[TensorSpec, ...]:
-    specs = []
-    for i, item in enumerate(raw):
-        where = f"{model}: {key}[{i}]"
-        if not isinstance(item, dict) or not {"name", "datatype", "shape"} <= set(item):
-            raise ConfigError(f"{where} needs name, datatype and shape")
-        if item["datatype"] not in DATATYPES:
-            raise ConfigError(f"{where}: unknown datatype {item['datatype']!r}")
-        shape = tuple(int(d) for d in item["shape"])
-        if not shape or any(d < -1 or d == 0 for d in shape):
-            raise ConfigError(f"{where}: shape needs the batch dim first and dims > 0 or -1")
-        pad = item.get("pad")
-        axis = None
-        if pad is not None:
-            axis = pad.get("axis") if isinstance(pad, dict) else None
-            if not isinstance(axis, int) or not 1 <= axis < len(shape) or shape[axis] != -1:
-                raise ConfigError(f"{where}: pad.axis must name a variable (-1) axis after the "
-                                  "batch dim")
-        specs.append(TensorSpec(str(item["name"]), str(item["datatype"]), shape, axis,
-                                float(pad.get("value", 0)) if pad else 0))
-    return tuple(specs)
+def _tensor(spec: TensorSchema) -> TensorSpec:
+    pad = spec.pad
+    return TensorSpec(spec.name, spec.datatype, tuple(spec.shape),
+                      pad.axis if pad else None, pad.value if pad else 0)

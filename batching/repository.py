@@ -7,9 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from batching.config import BACKENDS, ConfigError, ModelConfig, TensorSpec
+from batching.config_schema import read_config_yaml
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +25,8 @@ def artifact_backend(folder: Path) -> str | None:
 
 
 def load_model_config(folder: Path) -> ModelConfig:
-    raw: dict[str, Any] = {}
     config_file = folder / "config.yaml"
-    if config_file.exists():
-        loaded = yaml.safe_load(config_file.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{folder.name}: config.yaml must be a mapping")
-        raw = loaded
+    raw = read_config_yaml(folder.name, config_file) if config_file.exists() else {}
     config = ModelConfig.from_dict(folder.name, raw, artifact_backend(folder))
     if config.backend == "onnx" and not (config.inputs and config.outputs):
         inputs, outputs = onnx_signature(folder / BACKENDS["onnx"])

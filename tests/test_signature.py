@@ -31,7 +31,7 @@ def test_invalid_requests_name_the_input_and_expectation(given: list, message: s
 
 
 def test_config_rejects_unknown_keys_and_bad_backend() -> None:
-    with pytest.raises(ConfigError, match="unknown keys"):
+    with pytest.raises(ConfigError, match="unknown key 'max_batch'"):
         ModelConfig.from_dict("m", {"backend": "python", "max_batch": 3})
     with pytest.raises(ConfigError, match="backend must be one of"):
         ModelConfig.from_dict("m", {})

@@ -1,0 +1,337 @@
+"""Validation of a ``config.yaml``: strict pydantic models of its keys, then the checks that
+span keys. Every failure is one :class:`ConfigError` naming the model folder, the key path
+(``queue.priority_levels``, ``inputs[0].shape``) and the reason; nothing is coerced, so a
+quoted number or a boolean where an integer belongs is refused."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import reprlib
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from batching.datatypes import DATATYPES, to_numpy
+
+BACKENDS = {"torchscript": "model.pt", "torch_export": "model.pt2", "onnx": "model.onnx",
+            "python": "model.py"}
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+INT64_MAX = 2**63 - 1
+MAX_PRIORITY_LEVELS = 64
+_MAX_ISSUES = 5
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+_THREADED = {"torchscript", "torch_export", "onnx"}
+"""Backends that read ``parameters.threads``."""
+
+
+class ConfigError(ValueError):
+    """A ``config.yaml`` that cannot be served; the message names the folder, key and reason."""
+
+
+def _datatype(value: str) -> str:
+    if value not in DATATYPES:
+        raise PydanticCustomError("datatype", "must be one of " + ", ".join(sorted(DATATYPES)))
+    return value
+
+
+def _dim(value: int) -> int:
+    if value != -1 and value < 1:
+        raise PydanticCustomError("dim", "must be -1 (any size) or a positive integer")
+    return value
+
+
+def _backend(value: str) -> str:
+    if value not in BACKENDS:
+        raise PydanticCustomError("backend", "must be one of " + ", ".join(sorted(BACKENDS)))
+    return value
+
+
+def _device(value: str) -> str:
+    if not _DEVICE.fullmatch(value):
+        raise PydanticCustomError("device", "must be cpu, cuda or cuda:<index>")
+    return value
+
+
+_Number = Annotated[float, Field(allow_inf_nan=False)]
+_Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class PadSchema(_Section):
+    axis: int
+    value: float = 0.0
+
+
+class TensorSchema(_Section):
+    name: Annotated[str, Field(min_length=1)]
+    datatype: Annotated[str, AfterValidator(_datatype)]
+    shape: Annotated[list[Annotated[int, Field(le=INT64_MAX), AfterValidator(_dim)]],
+                     Field(min_length=1)]
+    pad: PadSchema | None = None
+
+
+class BatchingSchema(_Section):
+    max_queue_delay_us: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1, le=INT32_MAX)]] = []
+    latency_target_ms: _Positive = 50.0
+    adaptive: bool = True
+
+
+class QueueSchema(_Section):
+    priority_levels: Annotated[int, Field(ge=1, le=MAX_PRIORITY_LEVELS)] = 3
+    default_priority: Annotated[int, Field(ge=1)] = 2
+    max_queue_rows: Annotated[int, Field(ge=1, le=UINT32_MAX)] = 10000
+    default_timeout_ms: Annotated[int, Field(ge=1, le=INT64_MAX // 1000)] = 30000
+
+
+class InstanceSchema(_Section):
+    device: Annotated[str, AfterValidator(_device)] = "cpu"
+    count: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
+
+
+class ConfigSchema(_Section):
+    backend: Annotated[str, AfterValidator(_backend)] | None = None
+    max_batch_size: Annotated[int, Field(ge=1, le=INT32_MAX)] = 64
+    inputs: list[TensorSchema] | None = None
+    outputs: list[TensorSchema] | None = None
+    batching: BatchingSchema | None = None
+    queue: QueueSchema | None = None
+    execution_timeout_s: _Positive = 60.0
+    max_deliveries: Annotated[int, Field(ge=1, le=INT64_MAX)] = 3
+    max_batch_cost: _Positive | None = None
+    instances: list[InstanceSchema] | None = None
+    parameters: dict[str, Any] | None = None
+    platform: str | None = None
+    """Accepted for compatibility with Triton's configs, and ignored."""
+
+
+_SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
+    (): ConfigSchema, ("batching",): BatchingSchema, ("queue",): QueueSchema,
+    ("instances",): InstanceSchema, ("inputs",): TensorSchema, ("outputs",): TensorSchema,
+    ("inputs", "pad"): PadSchema, ("outputs", "pad"): PadSchema,
+}
+
+
+def parse_config(model: str, raw: Any, artifact: str | None) -> tuple[ConfigSchema, str]:
+    """The validated keys of ``raw`` and the backend: its ``backend`` key, else ``artifact``
+    (the backend of the artifact found in the folder)."""
+    try:
+        schema = ConfigSchema.model_validate(raw)
+    except ValidationError as exc:
+        raise _error(model, [_describe(error) for error in exc.errors()]) from None
+    backend = schema.backend or artifact
+    if backend not in BACKENDS:
+        raise _error(model, ["backend must be one of " + ", ".join(sorted(BACKENDS))
+                             + " (no backend key and no model artifact in the folder)"])
+    problems = _cross_checks(schema, backend)
+    if problems:
+        raise _error(model, problems)
+    return schema, backend
+
+
+def parse_yaml(model: str, text: bytes) -> dict[str, Any]:
+    """The mapping a ``config.yaml`` holds (empty for an empty file)."""
+    try:
+        node, document = _load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = ", ".join(text for text in (exc.context, exc.problem) if text)
+        raise ConfigError(f"{model}: config.yaml{where}: {reason}") from None
+    except yaml.reader.ReaderError as exc:
+        line = text[:exc.position].count(b"\n") + 1
+        raise ConfigError(f"{model}: config.yaml line {line}: not UTF-8 text or a special "
+                          f"character ({exc.reason})") from None
+    except RecursionError:
+        raise ConfigError(f"{model}: config.yaml nests too deeply") from None
+    if node is None or document is None:
+        return {}
+    twice = _duplicate_key(node)
+    if twice is not None:
+        raise ConfigError(f"{model}: config.yaml line {twice.start_mark.line + 1}: duplicate "
+                          f"key {_short(twice.value)}")
+    if not isinstance(document, dict):
+        raise ConfigError(f"{model}: config.yaml line {node.start_mark.line + 1}: must be a "
+                          f"mapping of keys, got {_kind(document)}")
+    return document
+
+
+def _load(text: bytes) -> tuple[yaml.Node | None, Any]:
+    """The document's root node (for its line) and the document (None when empty)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        return node, None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _duplicate_key(root: yaml.Node) -> yaml.Node | None:
+    """The first key that repeats within one mapping (YAML forbids it; PyYAML keeps the last)."""
+    stack, visited = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[tuple[str, str]] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    if (key.tag, key.value) in keys:
+                        return key
+                    keys.add((key.tag, key.value))
+                stack += [key, value]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    return None
+
+
+def _error(model: str, problems: list[str]) -> ConfigError:
+    shown = problems[:_MAX_ISSUES]
+    more = len(problems) - len(shown)
+    return ConfigError(f"{model}: " + "; ".join(shown) + (f"; and {more} more" if more else ""))
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _describe(error: ErrorDetails) -> str:
+    loc, kind, value = tuple(error["loc"]), error["type"], error["input"]
+    if kind in ("extra_forbidden", "invalid_key"):
+        return _unknown_key(loc)
+    if loc[-1:] == ("[key]",):
+        return f"{_path(loc[:-2])} has a key {_short(loc[-2])} that is not a string"
+    where = _path(loc) or "config.yaml"
+    if kind == "missing":
+        return f"{where} is required"
+    return f"{where} {_reason(error)}, got {_short(value)}{_hint(kind, value)}"
+
+
+def _unknown_key(loc: tuple[int | str, ...]) -> str:
+    key, parent = loc[-1], loc[:-1]
+    section = _SECTIONS.get(tuple(p for p in parent if isinstance(p, str)))
+    where = f" in {_path(parent)}" if parent else ""
+    known = sorted(section.model_fields) if section else []
+    close = difflib.get_close_matches(str(key), known, n=1)
+    if close:
+        return f"unknown key {_short(key)}{where} (did you mean {close[0]!r}?)"
+    return f"unknown key {_short(key)}{where} (known keys: {', '.join(known)})"
+
+
+def _reason(error: ErrorDetails) -> str:
+    kind, ctx = error["type"], error.get("ctx", {})
+    fixed = {"int_type": "must be an integer", "float_type": "must be a number",
+             "bool_type": "must be true or false", "string_type": "must be a string",
+             "list_type": "must be a list", "dict_type": "must be a mapping",
+             "model_type": "must be a mapping", "finite_number": "must be a finite number"}
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}
+    if kind in fixed:
+        return fixed[kind]
+    if kind in bounds:
+        limit = ctx["ge" if kind == "greater_than_equal" else "gt" if kind == "greater_than"
+                    else "le"]
+        return f"must be {bounds[kind]} {limit if isinstance(limit, int) else f'{limit:g}'}"
+    if kind in ("too_short", "string_too_short"):
+        return "must not be empty"
+    message = error["msg"].replace("Input should be", "must be")
+    return message[:1].lower() + message[1:]
+
+
+def _hint(kind: str, value: Any) -> str:
+    if kind in ("int_type", "float_type") and isinstance(value, str) and _numeric(value):
+        return " (a quoted string: write the number without quotes)"
+    if kind in ("int_type", "float_type") and isinstance(value, bool):
+        return " (a boolean)"
+    return ""
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 4
+_REPR.maxlevel = 2
+
+
+def _short(value: Any) -> str:
+    return _REPR.repr(value)
+
+
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _cross_checks(schema: ConfigSchema, backend: str) -> list[str]:
+    problems: list[str] = []
+    queue = schema.queue or QueueSchema()
+    if not queue.default_priority <= queue.priority_levels:
+        problems.append(f"queue.default_priority must be within 1..priority_levels "
+                        f"({queue.priority_levels}), got {queue.default_priority}")
+    for key in ("inputs", "outputs"):
+        problems += _tensor_checks(key, getattr(schema, key) or [])
+    threads = (schema.parameters or {}).get("threads")
+    if backend in _THREADED and "threads" in (schema.parameters or {}) and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        problems.append(f"parameters.threads must be an integer >= 1, got {_short(threads)}")
+    return problems
+
+
+def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:
+    problems: list[str] = []
+    seen: dict[str, int] = {}
+    for i, tensor in enumerate(tensors):
+        where = f"{key}[{i}]"
+        if tensor.name in seen:
+            problems.append(f"{where}.name {tensor.name!r} is also {key}[{seen[tensor.name]}]'s")
+        seen.setdefault(tensor.name, i)
+        pad = tensor.pad
+        if pad is None:
+            continue
+        if not 1 <= pad.axis < len(tensor.shape) or tensor.shape[pad.axis] != -1:
+            problems.append(f"{where}.pad.axis must name a variable (-1) axis after the batch "
+                            f"dim of shape {tensor.shape}, got {pad.axis}")
+        if key == "inputs" and not _fits(tensor.datatype, pad.value):
+            problems.append(f"{where}.pad.value {pad.value:g} does not fit {tensor.datatype}")
+    return problems
+
+
+def _fits(datatype: str, value: float) -> bool:
+    """Whether ``value`` pads a ``datatype`` tensor as itself (no wrap-around, no rounding)."""
+    dtype = to_numpy(datatype)
+    if dtype.kind == "b":
+        return value in (0, 1)
+    if dtype.kind in "iu":
+        bits = 8 * dtype.itemsize - (dtype.kind == "i")
+        low = -(2**bits) if dtype.kind == "i" else 0
+        return math.isfinite(value) and value == int(value) and low <= value < 2**bits
+    return True
+
+
+def read_config_yaml(model: str, path: Path) -> dict[str, Any]:
+    """The mapping in the ``config.yaml`` at ``path`` of model folder ``model``."""
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{model}: config.yaml cannot be read ({exc.strerror})") from None
+    return parse_yaml(model, text)
