@@ -1,0 +1,76 @@
+"""Fuzzing a real stack: schemathesis against the OpenAPI of the FastAPI routes, then
+bench.fuzz's hostile infer requests (HTTP and gRPC) beside a canary of good ones.
+
+Small in CI; ``CONVEYOR_FUZZ_SECONDS=300 pytest -m fuzz -s tests/test_fuzz.py`` for the
+figures in docs/security.md (the report is printed and written to fuzz-report.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.fuzz import fuzz
+from tests.conftest import MODELS, Stack
+from tests.procs import RedisServer, free_port
+
+pytestmark = pytest.mark.fuzz
+
+SECONDS = float(os.environ.get("CONVEYOR_FUZZ_SECONDS", "20"))
+KEY = "fuzz-admin-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_stack(redis_server: RedisServer, logdir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    keys = tmp_path_factory.mktemp("fuzz") / "keys"
+    keys.write_text(f"{KEY} infer,jobs,admin\n")
+    stack = Stack(redis_server.url, MODELS, logdir, extra_env={
+        "CONVEYOR_API_KEYS_FILE": str(keys),
+        "CONVEYOR_MODEL_CONTROL": "explicit",
+        "CONVEYOR_GRPC_PORT": str(free_port()),
+        "CONVEYOR_HTTP_BODY_TIMEOUT_S": "2",
+        "CONVEYOR_HTTP_HEADER_TIMEOUT_S": "2",
+    })
+    stack.add_api()
+    stack.add_worker()
+    stack.wait_ready(timeout=90)
+    yield stack
+    stack.stop()
+
+
+def test_schemathesis_finds_no_server_error(fuzz_stack: Stack) -> None:
+    seconds = max(10, int(SECONDS))
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "schemathesis"), "run", f"{fuzz_stack.url}/openapi.json",
+         "--checks", "not_a_server_error", "--max-response-time", "5", "--max-time", str(seconds),
+         "--workers", "1", "--seed", "1", "-H", f"Authorization: Bearer {KEY}",
+         "--request-timeout", "10", "--no-color"],
+        capture_output=True, text=True, timeout=seconds * 4 + 120)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    # Fuzzed repository calls may have unloaded the model: load it back for the next test.
+    httpx.post(f"{fuzz_stack.url}/v2/repository/models/digits/load", headers=AUTH, timeout=120)
+    fuzz_stack.wait_ready(timeout=90)
+
+
+def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stack) -> None:
+    api, url = fuzz_stack.apis[0]
+    grpc_target = f"127.0.0.1:{fuzz_stack.env['CONVEYOR_GRPC_PORT']}"
+    report = asyncio.run(fuzz(url, grpc_target, api.pid, SECONDS, seed=1, auth=KEY,
+                              hang_s=10.0))
+    summary = report.summary()
+    print(json.dumps(summary, indent=1))
+    if os.environ.get("CONVEYOR_FUZZ_SECONDS"):
+        Path("fuzz-report.json").write_text(json.dumps(summary, indent=1))
+    assert sum(report.http.values()) > 10 and sum(report.grpc.values()) > 10
+    assert not report.problems(), report.problems()
+
