@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test check chaos bench deps clean
+.PHONY: run test check chaos fuzz bench deps clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v redis-server >/dev/null || $(MAKE) deps
@@ -24,6 +24,9 @@ test: $(VENV)/.installed
 
 chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to chaos-report.jsonl
 	CONVEYOR_CHAOS_SCALE=5 CONVEYOR_CHAOS_REPORT=chaos-report.jsonl $(PY) -m pytest -m chaos -s tests/test_chaos.py
+
+fuzz: $(VENV)/.installed  ## schemathesis and the hostile-input fuzzer for 5 minutes; figures in fuzz-report.json
+	CONVEYOR_FUZZ_SECONDS=300 $(PY) -m pytest -m fuzz -s -p no:timeout tests/test_fuzz.py
 
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
