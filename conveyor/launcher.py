@@ -2,20 +2,92 @@
 and Flower.
 
 For a laptop or a single box; production runs each process on its own (Procfile,
-docker-compose.yml, deploy/). Ctrl-C stops everything this command started.
+docker-compose.yml, deploy/). Every listener binds ``CONVEYOR_HOST`` (``--host``;
+127.0.0.1 by default), and binding beyond loopback needs API keys or an explicit
+``CONVEYOR_ALLOW_UNAUTHENTICATED=1``.
+
+Stopping: SIGTERM, SIGINT or SIGHUP (or any child exiting) sends SIGTERM to every child
+at once, the API first, so it stops accepting; Redis, when this command started it, goes
+once the others are gone. Whatever is left when ``STOP_DEADLINE_S`` has passed is killed
+with its whole process group (an inference worker's model processes too). Further signals
+during the stop change nothing. Children die with this command even when it is killed
+outright (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from batching.exposure import is_loopback, unsafe_binding
+from batching.lifetime import die_with_parent
 from batching.settings import Settings
+from batching.urls import mask_url
+
+STOP_DEADLINE_S = 8.0
+"""One deadline for the whole stop, inside Docker's and Kubernetes' default grace (10 s
+and 30 s)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+POLL_S = 0.05
+FLOWER_AUTH_ENV = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
+"""Flower's own login settings (basic auth ``user:pass[,user:pass]``; OAuth), which Flower
+reads from the environment itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A process this command started, leader of its own process group."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.popen.terminate()
+
+    def kill_group(self) -> None:
+        """SIGKILL the process group: the child and anything it started that is left."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.popen.wait()
+
+
+def start(name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Child:
+    """Start ``argv`` in its own session (a terminal's Ctrl-C reaches only this launcher,
+    which stops everything), to be SIGKILLed by the kernel if this process dies."""
+    return Child(name, subprocess.Popen(
+        argv, env=env, start_new_session=True,
+        preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid())))
+
+
+class StopRequest:
+    """Signal handler for ``STOP_SIGNALS``: records the first; later ones change nothing
+    (the stop is bounded anyway), so no second signal can interrupt it."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
 
 
 def redis_answers(url: str) -> bool:
@@ -30,77 +102,144 @@ def redis_answers(url: str) -> bool:
     return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
 
 
-def start_redis(url: str) -> subprocess.Popen[bytes]:
+def start_redis(url: str) -> Child:
+    """A redis-server on loopback, for a local ``url`` that nothing answers at."""
     parsed = urlparse(url)
-    if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
-        sys.exit(f"nothing answers at {url}, and it is not local: start Redis there first")
+    if not is_loopback(parsed.hostname or ""):
+        sys.exit(f"nothing answers at {mask_url(url)}, and it is not local: "
+                 "start Redis there first")
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("redis-server is not installed: apt-get install redis-server")
-    proc = subprocess.Popen([binary, "--port", str(parsed.port or 6379), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                            start_new_session=True)
+    child = start("redis", [binary, "--port", str(parsed.port or 6379), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no"])
     deadline = time.monotonic() + 10
     while not redis_answers(url):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            sys.exit(f"redis-server did not start at {url}")
+        if time.monotonic() > deadline or not child.alive():
+            child.kill_group()
+            sys.exit(f"redis-server did not start at {mask_url(url)}")
         time.sleep(0.1)
-    return proc
+    return child
 
 
-def run(host: str = "0.0.0.0") -> int:
-    settings = Settings()
+def flower_binding(settings: Settings, env: Mapping[str, str]) -> tuple[str, str]:
+    """The address Flower binds and how it lets people in, for the start-up message.
+
+    Beyond loopback Flower needs its own login (``FLOWER_BASIC_AUTH`` or OAuth) unless
+    ``allow_unauthenticated``; without one it stays on 127.0.0.1.
+    """
+    if any(env.get(name) for name in FLOWER_AUTH_ENV):
+        return settings.host, "login: Flower's own (FLOWER_BASIC_AUTH or OAuth)"
+    if is_loopback(settings.host):
+        return settings.host, "no login: this host only"
+    if settings.allow_unauthenticated:
+        return settings.host, "no login, open to the network: CONVEYOR_ALLOW_UNAUTHENTICATED"
+    return "127.0.0.1", (f"no login, so this host only: set FLOWER_BASIC_AUTH=user:pass to "
+                         f"serve it on {settings.host}")
+
+
+def commands(settings: Settings, flower_host: str) -> dict[str, list[str]]:
+    """What runs, in the order it starts and is told to stop: the API first."""
     py = sys.executable
-    started: list[tuple[str, subprocess.Popen[bytes]]] = []
-    if redis_answers(settings.redis_url):
-        print(f"using Redis at {settings.redis_url}")
-    else:
-        started.append(("redis", start_redis(settings.redis_url)))
-        print(f"started redis-server at {settings.redis_url}")
-    commands = {
-        "api": [py, "-m", "uvicorn", "api.main:app", "--host", host,
-                "--port", str(settings.http_port), "--no-access-log"],
+    return {
+        "api": [py, "-m", "api.serve"],
         "worker": [py, "-m", "celery", "-A", "workers.app", "worker", "-n", "conveyor@%h",
                    "--loglevel", "INFO"],
         "jobs": [py, "-m", "celery", "-A", "workers.app", "worker", "-Q", "cv.jobs",
                  "--no-inference", "-P", "threads", "-c", "4", "-n", "jobs@%h",
                  "--loglevel", "INFO"],
         "flower": [py, "-m", "celery", "-A", "workers.app", "flower",
-                   f"--port={settings.flower_port}"],
+                   f"--address={flower_host}", f"--port={settings.flower_port}"],
     }
-    for name, argv in commands.items():
-        # Own sessions: Ctrl-C reaches only this launcher, which stops them in order.
-        started.append((name, subprocess.Popen(argv, start_new_session=True)))
-    print(f"\nconveyor is starting; models from {settings.model_repository}\n"
-          f"  HTTP API  http://127.0.0.1:{settings.http_port}/v2  (ready: /v2/health/ready)\n"
-          f"  metrics   http://127.0.0.1:{settings.http_port}/metrics\n"
-          f"  jobs      http://127.0.0.1:{settings.http_port}/v1/jobs  (conveyor jobs --help)\n"
-          f"  Flower    http://127.0.0.1:{settings.flower_port}\n"
-          "Ctrl-C stops everything.\n", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        while all(proc.poll() is None for _, proc in started):
-            time.sleep(0.5)
-        failed = [name for name, proc in started if proc.poll() is not None]
-        print(f"{', '.join(failed)} exited; stopping the rest", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt:
-        code = 0
-    stop_all(started)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def banner(settings: Settings, flower_host: str, flower_login: str) -> str:
+    """Where each listener is bound, and who may use it."""
+    http = _address(settings.host, settings.http_port)
+    probe = (f"http://{_address(settings.host, settings.worker_port)}/ready"
+             if settings.worker_port else "off (CONVEYOR_WORKER_PORT=0)")
+    lines = [
+        f"conveyor is starting; models from {settings.model_repository}",
+        f"  HTTP API      http://{http}/v2  (ready: /v2/health/ready, metrics: /metrics, "
+        "jobs: /v1/jobs)",
+        f"  gRPC          {_address(settings.host, settings.grpc_port)}",
+        f"  worker probe  {probe}",
+        f"  Flower        http://{_address(flower_host, settings.flower_port)}  "
+        f"({flower_login})",
+    ]
+    if settings.api_keys_file is not None:
+        lines.append(f"API keys from {settings.api_keys_file}.")
+    elif is_loopback(settings.host):
+        lines.append(f"Loopback only ({settings.host}): no CONVEYOR_API_KEYS_FILE is set, so "
+                     "nothing is authenticated and no other machine can connect.")
+    else:
+        lines.append(f"No authentication (CONVEYOR_ALLOW_UNAUTHENTICATED) on {settings.host}: "
+                     "anyone who reaches it may infer, submit jobs and control models.")
+    lines.append("Ctrl-C stops everything.")
+    return "\n".join(lines)
+
+
+def run(host: str | None = None) -> int:
+    settings = Settings() if host is None else Settings(host=host)
+    refusal = unsafe_binding(settings)
+    if refusal is not None:
+        print(f"conveyor run: {refusal}", file=sys.stderr)
+        return 2
+    stop = StopRequest()
+    stop.install()
+    own_redis: list[Child] = []
+    if redis_answers(settings.redis_url):
+        print(f"using Redis at {mask_url(settings.redis_url)}")
+    else:
+        own_redis.append(start_redis(settings.redis_url))
+        print(f"started redis-server at {mask_url(settings.redis_url)}")
+    flower_host, flower_login = flower_binding(settings, os.environ)
+    # Children read the host from the environment: API (HTTP, gRPC) and worker probe.
+    env = {**os.environ, "CONVEYOR_HOST": settings.host}
+    children = [start(name, argv, env) for name, argv in commands(settings, flower_host).items()]
+    print(f"\n{banner(settings, flower_host, flower_login)}\n", flush=True)
+    code = watch(children + own_redis, stop)
+    stop_all(children, own_redis)
     return code
 
 
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
+def watch(children: list[Child], stop: StopRequest) -> int:
+    """Wait for a stop signal (0) or a child's exit (1)."""
+    while stop.signum is None:
+        exited = [c for c in children if not c.alive()]
+        if exited:
+            names = ", ".join(f"{c.name} (code {c.popen.returncode})" for c in exited)
+            print(f"{names} exited; stopping the rest", file=sys.stderr, flush=True)
+            return 1
+        time.sleep(POLL_S)
+    print(f"{signal.Signals(stop.signum).name}: stopping everything "
+          f"(at most {STOP_DEADLINE_S:.0f}s)", flush=True)
+    return 0
 
 
-def stop_all(started: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-    """Stop in reverse order: the worker finishes its batch before Redis goes."""
-    for _, proc in reversed(started):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop_all(children: list[Child], own_redis: list[Child],
+             deadline_s: float = STOP_DEADLINE_S) -> None:
+    """SIGTERM to every child at once (in list order, the API first), Redis once they are
+    gone; after one overall deadline, SIGKILL to every child's process group."""
+    deadline = time.monotonic() + deadline_s
+    for child in children:
+        child.terminate()
+    _wait(children, deadline)
+    for child in own_redis:
+        child.terminate()
+    _wait(own_redis, deadline)
+    late = [c.name for c in children + own_redis if c.alive()]
+    if late:
+        print(f"{', '.join(late)} still running after {deadline_s:.0f}s: killed",
+              file=sys.stderr, flush=True)
+    for child in children + own_redis:
+        child.kill_group()
+
+
+def _wait(children: list[Child], deadline: float) -> None:
+    while any(c.alive() for c in children) and time.monotonic() < deadline:
+        time.sleep(POLL_S)

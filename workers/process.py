@@ -12,13 +12,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.keys import Keys
-from batching.repository import load_model_config
+from batching.lifetime import die_with_parent
+from batching.repository import failure_reason, load_model_config
 from batching.resp import Address, Connection
 from batching.settings import Settings
 from workers.backends import load_model
@@ -38,12 +40,26 @@ def consumer_name(model: str, device: str, index: int) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{model}:{device}:{index}"
 
 
-def serve(model_name: str, device: str, index: int, shared: SharedState) -> None:
+def serve(model_name: str, device: str, index: int, shared: SharedState,
+          failure: Any) -> None:
+    """``failure`` (a shared ``c`` array) receives, if loading the model raises, the one
+    line its supervisor publishes as the reason the model failed."""
+    die_with_parent(signal.SIGTERM)  # the supervisor gone (worker killed): stop as it would
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     settings = Settings()
-    keys = Keys(settings.key_prefix)
     folder = Path(settings.model_repository) / model_name
+    try:
+        _serve(model_name, device, index, shared, settings, folder)
+    except Exception as exc:
+        if shared.state == ProcState.LOADING:
+            failure.value = failure_reason(folder, exc).encode()[:len(failure) - 1]
+        raise
+
+
+def _serve(model_name: str, device: str, index: int, shared: SharedState, settings: Settings,
+           folder: Path) -> None:
+    keys = Keys(settings.key_prefix)
     config = load_model_config(folder)
     consumer = consumer_name(model_name, device, index)
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
@@ -110,7 +126,8 @@ def _report_and_follow(loop: InferenceLoop, heartbeat: Heartbeat, client: redis.
     except REDIS_ERRORS:
         return
     if overrides:
-        loop.apply_control({k.decode(): int(v) for k, v in overrides.items()})
+        loop.apply_control({k.decode() if isinstance(k, bytes) else k: int(v)
+                            for k, v in overrides.items()})
 
 
 def gpu_memory(device: str) -> dict[str, int] | None:
