@@ -3,8 +3,7 @@
 ``inference.GRPCInferenceService`` (KServe v2 / Triton) and the standard
 ``grpc.health.v1.Health``. Inference goes through the same :class:`InferenceService`
 pipeline as HTTP; errors map to gRPC status codes through the one table in
-:mod:`batching.errors`. Several API processes may bind the same port: gRPC sets
-SO_REUSEPORT and the kernel spreads connections over them.
+:mod:`batching.errors`. Address, TLS and transport limits: :mod:`api.grpc_listener`.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from api import grpc_listener
 from api.grpc_codec import infer_response, parameters, parse_request
 from api.proto import inference_pb2 as pb
 from api.proto import inference_pb2_grpc as pb_grpc
@@ -31,14 +31,13 @@ from api.service import InferenceService
 from api.stats import statistics
 from api.triton_config import triton_config
 from batching.errors import ConveyorError
+from batching.settings import Settings
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 STOP_GRACE_S = 5.0
 """On shutdown, running RPCs get this long to finish."""
-OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-           ("grpc.so_reuseport", 1)]
 
 Reply = TypeVar("Reply")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Reply]]
@@ -170,27 +169,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 class GrpcEndpoint:
     """The gRPC server and the task that keeps its health status in step with readiness."""
 
-    def __init__(self, service: InferenceService, repository: Repository, port: int,
-                 interval_s: float,
+    def __init__(self, service: InferenceService, repository: Repository, settings: Settings,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self._service = service
         self._interceptors = list(interceptors)
         self._servicer = InferenceServicer(service, repository)
-        self._port = port
-        self._interval_s = interval_s
+        self._settings = settings
+        self._interval_s = settings.heartbeat_interval_s
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind and serve; the server is built here, inside the running event loop."""
-        self._server = grpc.aio.server(options=OPTIONS, interceptors=self._interceptors)
+        self._server = grpc.aio.server(options=grpc_listener.server_options(self._settings),
+                                       interceptors=self._interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self._server.add_insecure_port(f"0.0.0.0:{self._port}")
+        port = grpc_listener.add_port(self._server, self._settings)
         await self._server.start()
         await self._update_health()
         self._task = asyncio.create_task(self._run(), name="conveyor-grpc-health")
-        log.info("gRPC serving on port %d", self._port)
+        log.info("gRPC serving on %s%s", grpc_listener.address(self._settings.host, port),
+                 " (TLS)" if self._settings.tls_cert_file is not None else "")
 
     async def close(self) -> None:
         if self._task is not None:

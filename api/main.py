@@ -40,8 +40,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s)
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
-    grpc_endpoint = GrpcEndpoint(service, repository, settings.grpc_port,
-                                 settings.heartbeat_interval_s, [AuthInterceptor(guard)])
+    grpc_endpoint = GrpcEndpoint(service, repository, settings, [AuthInterceptor(guard)])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

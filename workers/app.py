@@ -69,7 +69,7 @@ class InferenceStep(bootsteps.StartStopStep):
         self.supervisor.start()
         control.attach(self.supervisor)
         if settings.worker_port:
-            self.probe = start_probe(self.supervisor, settings.worker_port)
+            self.probe = start_probe(self.supervisor, settings.host, settings.worker_port)
 
     def stop(self, parent: Any) -> None:
         if self.probe is not None:

@@ -2,18 +2,26 @@
 
 ``/live``: the supervisor thread runs (never depends on Redis or the models).
 ``/ready``: every inference process this worker supervises has loaded its model.
+It listens on ``CONVEYOR_HOST`` (loopback by default; in a container, ``0.0.0.0`` so
+that the kubelet can reach it).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from workers.supervisor import Supervisor
 
 
-def start_probe(supervisor: Supervisor, port: int) -> ThreadingHTTPServer:
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def start_probe(supervisor: Supervisor, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve the probes on ``host:port`` (``CONVEYOR_HOST``, ``CONVEYOR_WORKER_PORT``)."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path in ("/live", "/healthz"):
@@ -35,6 +43,7 @@ def start_probe(supervisor: Supervisor, port: int) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: object) -> None:
             """Probes every few seconds would flood the worker log."""
 
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    bare = host.strip("[]")
+    server = (_IPv6Server if ":" in bare else ThreadingHTTPServer)((bare, port), Handler)
     threading.Thread(target=server.serve_forever, name="conveyor-probe", daemon=True).start()
     return server

@@ -1,0 +1,188 @@
+"""Connection-level guards for the HTTP listener: uvicorn's httptools protocol with limits.
+
+One instance per connection. It closes a connection that has not sent complete request
+headers within ``header_timeout_s`` of connecting or of its previous response (slowloris),
+answers 408 (or closes, once a response has started) when a request body does not
+complete within ``body_timeout_s``, answers 431 to request headers larger than
+``max_header_bytes``, closes idle keep-alive connections after ``keepalive_s`` and closes
+a new connection at once while ``max_connections`` are open. Used by :mod:`api.serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import orjson
+from uvicorn._types import ASGI3Application
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.server import ServerState
+
+from batching.settings import Settings
+
+log = logging.getLogger("conveyor.api")
+
+MAX_HEADER_BYTES = 64 * 1024
+"""Request line and headers of one request, at most (h11's default is 16 KiB)."""
+WARN_EVERY_S = 60.0
+"""A full connection table is logged at most this often."""
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    keepalive_s: float
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    max_header_bytes: int = MAX_HEADER_BYTES
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ConnectionLimits:
+        return cls(keepalive_s=settings.http_keepalive_s,
+                   header_timeout_s=settings.http_header_timeout_s,
+                   body_timeout_s=settings.http_body_timeout_s,
+                   max_connections=settings.http_max_connections)
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+    """The protocol class to pass as ``http=`` to :class:`uvicorn.Config`."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    limits: ClassVar[ConnectionLimits]
+    _last_warning: ClassVar[float] = float("-inf")
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.timeout_keep_alive = self.limits.keepalive_s  # type: ignore[assignment]
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._header_bytes = 0
+        self._headed = 0
+        """Requests whose headers are complete."""
+        self._answered = 0
+        """Requests whose response is complete."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        full = len(self.connections) >= self.limits.max_connections
+        super().connection_made(transport)
+        if full:
+            self._warn_full()
+            transport.close()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        self._disarm_body_timer()
+        super().connection_lost(exc)
+
+    # Parser callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._header_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        self._headed += 1
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_body_timer()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser failed; when it was the header limit that stopped it, say so."""
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._reject(431, "request headers larger than "
+                              f"{self.limits.max_header_bytes} bytes")
+        else:
+            super().send_400_response(msg)
+
+    # Request life ---------------------------------------------------------------------
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        super()._start_asgi_task(cycle, app)
+        if cycle.more_body:
+            self._disarm_body_timer()
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_s,
+                                                    self._body_late, cycle)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._answered += 1
+        if self._answered == self._headed and not self.transport.is_closing():
+            self._arm_header_timer()
+
+    # Limits ---------------------------------------------------------------------------
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s,
+                                                  self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _count_header_bytes(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > self.limits.max_header_bytes:
+            raise HeadersTooLarge
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        self.transport.close()
+
+    def _body_late(self, cycle: RequestResponseCycle) -> None:
+        self._body_timer = None
+        if cycle.response_started:
+            self.transport.close()
+            return
+        cycle.disconnected = True  # the application's further sends go nowhere
+        cycle.message_event.set()
+        self._reject(408, f"request body not received within {self.limits.body_timeout_s:g} s")
+
+    def _reject(self, status: int, message: str) -> None:
+        body = orjson.dumps({"error": message})
+        self.transport.write(b"".join([
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body]))
+        self.transport.close()
+
+    def _warn_full(self) -> None:
+        now = time.monotonic()
+        if now - GuardedHttpProtocol._last_warning >= WARN_EVERY_S:
+            GuardedHttpProtocol._last_warning = now
+            log.warning("%d HTTP connections open (CONVEYOR_HTTP_MAX_CONNECTIONS): "
+                        "closing new ones", self.limits.max_connections)
+
+
+class HeadersTooLarge(Exception):
+    """Raised inside the parser; it stops parsing and the connection gets a 431."""
+

@@ -1,0 +1,55 @@
+"""The API process entry point: ``python -m api.serve``.
+
+uvicorn, built here rather than from its command line, serves :data:`api.main.app` on
+``CONVEYOR_HOST``:``CONVEYOR_HTTP_PORT`` with the connection guards of
+:mod:`api.http_guard`, TLS when ``CONVEYOR_TLS_CERT_FILE`` and ``CONVEYOR_TLS_KEY_FILE``
+are set, and no access log; gRPC starts with the application (``api.main``). It refuses
+to start (exit status 2) on an address beyond loopback without API keys.
+"""
+
+from __future__ import annotations
+
+import ssl
+import sys
+from typing import TYPE_CHECKING
+
+import uvicorn
+from uvicorn.config import STARTUP_FAILURE
+
+from api.http_guard import ConnectionLimits, guarded_protocol
+from batching.exposure import unsafe_binding
+from batching.settings import Settings
+
+if TYPE_CHECKING:
+    from api.infer import ASGIApp
+
+EXIT_REFUSED = 2
+
+
+def config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
+    tls = settings.tls_cert_file is not None
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.http_port, access_log=False,
+        http=guarded_protocol(ConnectionLimits.from_settings(settings)),
+        ssl_certfile=settings.tls_cert_file if tls else None,
+        ssl_keyfile=settings.tls_key_file if tls else None,
+        ssl_ca_certs=settings.tls_client_ca_file if tls else None,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls and settings.tls_client_ca_file
+        else ssl.CERT_NONE)
+
+
+def main() -> int:
+    settings = Settings()
+    refusal = unsafe_binding(settings)
+    if refusal is not None:
+        print(f"conveyor API: refusing to start: {refusal}", file=sys.stderr)
+        return EXIT_REFUSED
+    from api.main import app  # builds the application: only once the binding is allowed
+
+    server = uvicorn.Server(config(settings, app))
+    server.run()
+    return 0 if server.started else STARTUP_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
