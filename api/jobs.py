@@ -3,8 +3,13 @@
 ``POST /v1/jobs`` validates the inputs against the model's signature like an infer
 request (any number of rows, up to ``job_max_bytes`` of body), stores the job in Redis
 and sends its Celery task to ``cv.jobs``; ``GET`` reads the job's record or result;
-``DELETE`` cancels it. The job's chunks then travel the same streams as interactive
-requests, at the job's priority (by default the model's lowest).
+``DELETE`` cancels it; ``GET /v1/jobs`` lists the most recent ones. The job's chunks
+then travel the same streams as interactive requests, at the job's priority (by default
+the model's lowest).
+
+With API keys, a job belongs to the key that submitted it (the job stores the key's
+digest): another key, unless it is an admin key, gets a 404 for it, as for a job that
+does not exist, and does not see it listed.
 """
 
 from __future__ import annotations
@@ -18,14 +23,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
-from urllib.parse import urlparse
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+from api.auth import PRINCIPAL, Principal
 from api.kserve import InferRequest, json_object, parse_header, render
 from api.service import InferenceService
+from batching.callbacks import AllowList, check_callback
 from batching.config import ModelConfig
 from batching.envelope import Reply
 from batching.errors import InvalidInput, ModelNotFound, Unavailable
@@ -50,6 +56,10 @@ MAX_JOB_ROWS = 2**31
 """Rows are bounded by the body size (``job_max_bytes``), not by the model's batch size."""
 HEADER_LENGTH = "inference-header-content-length"
 BINARY_TYPE = "application/octet-stream"
+LISTED = 1000
+"""Most recent jobs each listing keeps (per owner, and of every job for admin keys)."""
+PAGE = 100
+"""Jobs ``GET /v1/jobs`` answers by default (``limit``, at most :data:`LISTED`)."""
 
 
 class BodyTooLarge(Exception):
@@ -61,18 +71,21 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
     router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
     keys = service.keys
     transition = service.dispatcher.redis.register_script(TRANSITION_LUA)
+    callback_hosts = AllowList.parse(settings.callback_hosts)
 
     def record_key(job_id: str) -> str:
         if not JOB_ID.match(job_id):
             raise ModelNotFound(f"unknown job {job_id!r}")
         return keys.job(job_id)
 
-    async def load(job_id: str) -> JobRecord:
+    async def load(job_id: str, request: Request) -> JobRecord:
+        """The job, if the caller may see it: another owner's job is as unknown as none."""
         with _redis_guard():
             raw = await service.dispatcher.redis.hgetall(record_key(job_id))
-        if not raw:
+        record = JobRecord.from_hash(job_id, raw) if raw else None
+        if record is None or not _sees(_principal(request), record):
             raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
-        return JobRecord.from_hash(job_id, raw)
+        return record
 
     @router.post("", status_code=202)
     async def submit(request: Request) -> Response:
@@ -93,7 +106,8 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             chunk_rows=min(settings.job_chunk_rows or config.max_batch_size,
                            config.max_batch_size),
             max_queue_rows=config.queue.max_queue_rows, created_at=time.time(),
-            outputs=parsed.outputs, callback_url=_callback_url(parsed))
+            outputs=parsed.outputs, callback_url=await _callback_url(parsed, callback_hosts),
+            owner=_owner(_principal(request)))
         await _store(record, pack_tensors(parsed.inputs))
         try:
             await asyncio.to_thread(celery_app.send_task, JOB_TASK, args=[record.id],
@@ -112,6 +126,11 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         pipe.hset(keys.job(record.id), mapping=record.to_hash())
         pipe.expire(keys.job(record.id), ttl)
         pipe.sadd(keys.jobs_active(), record.id)
+        for listing in {keys.jobs_listed(""), keys.jobs_listed(record.owner)}:
+            pipe.zadd(listing, {record.id: record.created_at})
+            pipe.zremrangebyscore(listing, "-inf", record.created_at - ttl)
+            pipe.zremrangebyrank(listing, 0, -LISTED - 1)
+            pipe.expire(listing, ttl)
         with _redis_guard():
             await pipe.execute()
 
@@ -122,15 +141,36 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         except (RedisError, OSError) as exc:
             log.warning("could not remove unqueued job %s: %s", job_id, exc)
 
+    @router.get("")
+    async def listing(request: Request, limit: int = PAGE, offset: int = 0) -> dict[str, Any]:
+        """The caller's jobs (an admin key's, or without keys: every job), newest first."""
+        if not 0 < limit <= LISTED or offset < 0:
+            raise InvalidInput(f"limit must be in 1..{LISTED} and offset >= 0")
+        principal = _principal(request)
+        listed = keys.jobs_listed("" if principal is None or principal.admin
+                                  else principal.digest)
+        redis = service.dispatcher.redis
+        with _redis_guard():
+            ids = [i.decode() for i in await redis.zrevrange(listed, offset, offset + limit - 1)]
+            pipe = redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hgetall(keys.job(job_id))
+            records = await pipe.execute()
+            gone = [job_id for job_id, raw in zip(ids, records, strict=True) if not raw]
+            if gone:
+                await redis.zrem(listed, *gone)
+        return {"jobs": [JobRecord.from_hash(job_id, raw).view()
+                         for job_id, raw in zip(ids, records, strict=True) if raw]}
+
     @router.get("/{job_id}")
-    async def status(job_id: str) -> dict[str, Any]:
-        return (await load(job_id)).view()
+    async def status(job_id: str, request: Request) -> dict[str, Any]:
+        return (await load(job_id, request)).view()
 
     @router.get("/{job_id}/result")
     async def result(job_id: str, request: Request, binary_data_output: bool = False) -> Response:
         """All rows in order, as a KServe v2 response; binary tensors if asked for
         (``?binary_data_output=true`` or ``Accept: application/octet-stream``)."""
-        record = await load(job_id)
+        record = await load(job_id, request)
         if record.state is not JobState.SUCCEEDED:
             detail = f": {record.error}" if record.error else ""
             return JSONResponse({"error": f"job {job_id} is {record.state.value}{detail}; "
@@ -150,9 +190,10 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
                         headers={HEADER_LENGTH: str(json_length)})
 
     @router.delete("/{job_id}")
-    async def cancel(job_id: str) -> Response:
+    async def cancel(job_id: str, request: Request) -> Response:
         """Cancel an unfinished job: feeding stops at once, chunks in flight are discarded."""
         redis = service.dispatcher.redis
+        await load(job_id, request)  # another owner's job is unknown here too
         with _redis_guard():
             before = await transition(keys=[record_key(job_id)],
                                       args=[JobState.CANCELLED, UNFINISHED, "finished_at",
@@ -171,7 +212,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         if state in (JobState.SUCCEEDED, JobState.FAILED):
             return JSONResponse({"error": f"job {job_id} already ended {state.value}",
                                  "state": state.value}, status_code=409)
-        return JSONResponse((await load(job_id)).view())
+        return JSONResponse((await load(job_id, request)).view())
 
     return router
 
@@ -220,8 +261,30 @@ def _priority(parsed: InferRequest, config: ModelConfig) -> int:
     return raw or levels
 
 
-def _callback_url(parsed: InferRequest) -> str:
+async def _callback_url(parsed: InferRequest, allowed: AllowList) -> str:
+    """``parameters.callback_url``, checked against the callback policy (resolved in a
+    thread: the job worker checks it again before each POST)."""
     url = parsed.parameters.get("callback_url") or ""
-    if not isinstance(url, str) or (url and urlparse(url).scheme not in ("http", "https")):
+    if not isinstance(url, str):
         raise InvalidInput(f"parameters.callback_url must be an http(s) URL, got {url!r}")
+    if url:
+        try:
+            await asyncio.to_thread(check_callback, url, allowed)
+        except OSError as exc:
+            raise InvalidInput(f"parameters.callback_url: its host does not resolve: "
+                               f"{exc}") from None
     return url
+
+
+def _principal(request: Request) -> Principal | None:
+    principal: Principal | None = request.scope.get(PRINCIPAL)
+    return principal
+
+
+def _owner(principal: Principal | None) -> str:
+    return "" if principal is None else principal.digest
+
+
+def _sees(principal: Principal | None, record: JobRecord) -> bool:
+    """Without keys everyone sees every job; with keys, its owner and admin keys do."""
+    return principal is None or principal.admin or record.owner == principal.digest

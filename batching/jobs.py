@@ -61,6 +61,9 @@ class JobRecord:
     created_at: float
     outputs: list[str] = field(default_factory=list)
     callback_url: str = ""
+    owner: str = ""
+    """The SHA-256 digest of the API key that submitted the job ("" without keys): only
+    that key (or an admin key) sees, lists or cancels it. Never the key itself."""
     done: int = 0
     started_at: float = 0.0
     finished_at: float = 0.0
@@ -76,7 +79,7 @@ class JobRecord:
             "priority": str(self.priority), "chunk_rows": str(self.chunk_rows),
             "max_queue_rows": str(self.max_queue_rows), "created_at": repr(self.created_at),
             "outputs": orjson.dumps(self.outputs).decode(), "callback_url": self.callback_url,
-            "done": str(self.done), "started_at": repr(self.started_at),
+            "owner": self.owner, "done": str(self.done), "started_at": repr(self.started_at),
             "finished_at": repr(self.finished_at), "error": self.error,
         }
 
@@ -88,13 +91,14 @@ class JobRecord:
             total=int(text["total"]), priority=int(text["priority"]),
             chunk_rows=int(text["chunk_rows"]), max_queue_rows=int(text["max_queue_rows"]),
             created_at=float(text["created_at"]), outputs=orjson.loads(text["outputs"]),
-            callback_url=text.get("callback_url", ""), done=int(text.get("done", 0)),
+            callback_url=text.get("callback_url", ""), owner=text.get("owner", ""),
+            done=int(text.get("done", 0)),
             started_at=float(text.get("started_at", 0)),
             finished_at=float(text.get("finished_at", 0)), error=text.get("error", ""),
         )
 
     def view(self) -> dict[str, Any]:
-        """What ``GET /v1/jobs/{id}`` answers (and a callback receives)."""
+        """What ``GET /v1/jobs/{id}`` answers (and a callback receives); not the owner."""
         body: dict[str, Any] = {
             "id": self.id, "model": self.model, "state": self.state.value,
             "progress": {"done": self.done, "total": self.total},

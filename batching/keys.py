@@ -83,6 +83,11 @@ class Keys:
         """Set of ids of jobs not yet finished (what the job reaper looks at)."""
         return f"{self.prefix}:jobs:active"
 
+    def jobs_listed(self, owner: str) -> str:
+        """Sorted set of the most recent job ids (score: creation time) of one owner (the
+        digest of its API key), or of every job for ``owner`` "" (``GET /v1/jobs``)."""
+        return f"{self.prefix}:jobs:listed:{owner or 'all'}"
+
     def celery(self) -> str:
         """Prefix of Celery's own keys (broker queues, events, results): stacks that share a
         Redis under different prefixes never exchange tasks or events."""

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
 import pytest
 
 from batching.callbacks import AllowList, CallbackRefused, Target, check_callback
+from workers.jobs import deliver, send_callback
 
 
 def resolver(table: dict[str, list[str]]):  # type: ignore[no-untyped-def]
@@ -86,3 +92,55 @@ def test_special_ranges_are_refused(address: str) -> None:
     dns = resolver({"h.example.com": [address]})
     with pytest.raises(CallbackRefused, match="non-public"):
         check_callback("http://h.example.com/", AllowList.parse("h.example.com"), dns)
+
+
+# --- Delivery by the job worker (workers.jobs) ---------------------------------------------
+
+class _Hook(BaseHTTPRequestHandler):
+    """Answers 302 to /redirect, 200 otherwise; records (path, Host header)."""
+
+    seen: ClassVar[list[tuple[str, str]]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.seen.append((self.path, self.headers["Host"]))
+        self.send_response(302 if self.path == "/redirect" else 200)
+        self.send_header("Location", "/elsewhere")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def hook() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Hook.seen.clear()
+    yield server.server_port
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_worker_posts_to_the_checked_address_under_the_urls_host_name(hook: int) -> None:
+    dns = resolver({"hooks.test": ["127.0.0.1"]})
+    allowed = AllowList.parse("hooks.test,127.0.0.1")
+    response = deliver(f"http://hooks.test:{hook}/done?x=1", {"id": "j"}, allowed, dns)
+    assert response.status_code == 200
+    assert _Hook.seen == [("/done?x=1", f"hooks.test:{hook}")]
+    redirected = deliver(f"http://hooks.test:{hook}/redirect", {"id": "j"}, allowed, dns)
+    assert redirected.status_code == 302 and len(_Hook.seen) == 2  # not followed
+
+
+def test_the_worker_refuses_a_name_now_resolving_to_an_unlisted_private_address(
+        hook: int) -> None:
+    dns = resolver({"hooks.test": ["127.0.0.1"]})
+    with pytest.raises(CallbackRefused):
+        deliver(f"http://hooks.test:{hook}/done", {"id": "j"}, AllowList.parse("hooks.test"), dns)
+    assert _Hook.seen == []
+
+
+def test_a_refused_callback_task_gives_up_at_once(hook: int) -> None:
+    assert send_callback(f"http://127.0.0.1:{hook}/done", {"id": "j"}) == 0  # no hosts listed
+    assert _Hook.seen == []

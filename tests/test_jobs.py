@@ -62,7 +62,8 @@ def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
         "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n")
     stack = Stack(redis_server.url, folder / "models", logdir, extra_env={
         "ECHO_LOG": str(folder / "executed.log"), "CONVEYOR_JOB_LEASE_S": "2",
-        "CONVEYOR_HEARTBEAT_STALE_S": "2", "CONVEYOR_JOB_MAX_BYTES": str(1 << 20)})
+        "CONVEYOR_HEARTBEAT_STALE_S": "2", "CONVEYOR_JOB_MAX_BYTES": str(1 << 20),
+        "CONVEYOR_CALLBACK_HOSTS": "127.0.0.1"})
     stack.add_api()
     stack.add_worker()
     add_job_worker(stack)

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import orjson
@@ -32,6 +33,7 @@ from celery import Task, bootsteps, shared_task
 from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
 
+from batching.callbacks import AllowList, CallbackRefused, Resolver, Target, check_callback, resolve
 from batching.jobs import CALLBACK_TASK, FINISHED, JOB_QUEUE, JOB_TASK, JobRecord, JobState
 from batching.keys import Keys
 from batching.settings import Settings
@@ -43,7 +45,7 @@ PROGRESS = "PROGRESS"
 """The Celery state of a running job's task; its meta (and event) carry done and total."""
 PROGRESS_EVERY_S = 0.5
 CALLBACK_RETRIES = 8
-CALLBACK_TIMEOUT_S = 10.0
+CALLBACK_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 _stopping = threading.Event()
 
@@ -154,11 +156,18 @@ def _notify(ctx: JobContext, record: JobRecord) -> None:
 
 @shared_task(name=CALLBACK_TASK, bind=True, acks_late=True, max_retries=CALLBACK_RETRIES)
 def send_callback(self: Task, url: str, body: dict[str, Any]) -> int:
-    """POST the finished job's status to its ``callback_url``, retried with back-off."""
+    """POST the finished job's status to its ``callback_url``, retried with back-off.
+
+    The URL is checked against the callback policy again first (the allowed hosts may
+    have changed, and its name may resolve elsewhere now); a refusal is final.
+    """
     try:
-        response = httpx.post(url, json=body, timeout=CALLBACK_TIMEOUT_S)
+        response = deliver(url, body, AllowList.parse(context().settings.callback_hosts))
         response.raise_for_status()
-    except httpx.HTTPError as exc:
+    except CallbackRefused as exc:
+        log.error("job %s: callback refused, not sent: %s", body.get("id"), exc.message)
+        return 0
+    except (httpx.HTTPError, OSError) as exc:
         retries = self.request.retries
         if retries >= CALLBACK_RETRIES:
             log.error("job %s: callback to %s failed %d times, giving up: %s", body.get("id"),
@@ -169,6 +178,43 @@ def send_callback(self: Task, url: str, body: dict[str, Any]) -> int:
                     exc, delay)
         raise self.retry(countdown=delay) from exc
     return response.status_code
+
+
+def deliver(url: str, body: dict[str, Any], allowed: AllowList,
+            resolver: Resolver = resolve) -> httpx.Response:
+    """POST ``body`` to ``url`` at the addresses the policy checked, and nowhere else.
+
+    The connection goes to a checked address (the next one if it cannot connect), with
+    the URL's host as the Host header and TLS server name, so the name is not resolved a
+    second time. No redirects, no proxies from the environment, short timeouts.
+    """
+    target = check_callback(url, allowed, resolver)
+    error: httpx.ConnectError | None = None
+    with httpx.Client(timeout=CALLBACK_TIMEOUT, follow_redirects=False,
+                      trust_env=False) as client:
+        for address in target.addresses:
+            try:
+                return client.post(_pinned(url, target, address), json=body,
+                                   headers={"Host": _host_header(target)},
+                                   extensions={"sni_hostname": target.host})
+            except httpx.ConnectError as exc:
+                error = exc
+    assert error is not None
+    raise error
+
+
+def _pinned(url: str, target: Target, address: str) -> str:
+    parts = urlsplit(url)
+    literal = f"[{address}]" if ":" in address else address
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@{literal}:{target.port}" if userinfo else f"{literal}:{target.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+
+
+def _host_header(target: Target) -> str:
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    default = 443 if target.scheme == "https" else 80
+    return host if target.port == default else f"{host}:{target.port}"
 
 
 class JobReaper(bootsteps.StartStopStep):
