@@ -87,10 +87,10 @@ def test_stop_terms_all_at_once_then_kills_whole_groups_at_one_deadline() -> Non
     wait_for(lambda: all(len(_group(c.popen.pid)) == 3 for c in children), 10,
              "the stubborn groups to start")
     began = time.monotonic()
-    launcher.stop_all([polite, *children[:2]], [children[2]], deadline_s=1.5)
+    launcher.stop_all([polite, *children[:2]], [children[2]], deadline_s=2.0)
     took = time.monotonic() - began
     assert polite.popen.returncode == -signal.SIGTERM
-    assert 1.4 < took < 3.0, took  # one deadline for everything, not one per child
+    assert 1.9 < took < 4.5, took  # one deadline for everything, not one per child (6 s)
     assert not any(_group(c.popen.pid) for c in children)
 
 
