@@ -219,9 +219,9 @@ def test_stop_leaves_no_process_and_frees_the_ports(password_redis: str, tmp_pat
         text = out.read_text(errors="replace")
         assert PASSWORD not in text
         assert "using Redis at redis://default:**@127.0.0.1" in text
-        if how != "launcher-killed":
-            root.wait(5)
-            assert "Traceback" not in text, text
+        if how == "term-twice":
+            assert root.wait(5) == 0, text  # a clean exit: the second signal did not kill it
+        assert "KeyboardInterrupt" not in text and "launcher.py" not in text, text
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(root.pid, signal.SIGKILL)
