@@ -159,14 +159,16 @@ def _address(host: str, port: int) -> str:
 
 def banner(settings: Settings, flower_host: str, flower_login: str) -> str:
     """Where each listener is bound, and who may use it."""
+    scheme = "https" if settings.tls_cert_file is not None else "http"
     http = _address(settings.host, settings.http_port)
     probe = (f"http://{_address(settings.host, settings.worker_port)}/ready"
              if settings.worker_port else "off (CONVEYOR_WORKER_PORT=0)")
     lines = [
         f"conveyor is starting; models from {settings.model_repository}",
-        f"  HTTP API      http://{http}/v2  (ready: /v2/health/ready, metrics: /metrics, "
+        f"  HTTP API      {scheme}://{http}/v2  (ready: /v2/health/ready, metrics: /metrics, "
         "jobs: /v1/jobs)",
-        f"  gRPC          {_address(settings.host, settings.grpc_port)}",
+        f"  gRPC          {_address(settings.host, settings.grpc_port)}"
+        f"{'  (TLS)' if settings.tls_cert_file is not None else ''}",
         f"  worker probe  {probe}",
         f"  Flower        http://{_address(flower_host, settings.flower_port)}  "
         f"({flower_login})",

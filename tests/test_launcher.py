@@ -80,6 +80,15 @@ def test_banner_says_loopback_only_without_keys(clean_env: None) -> None:
     assert "Loopback only (127.0.0.1): no CONVEYOR_API_KEYS_FILE" in text
 
 
+def test_banner_names_tls_and_keys_and_brackets_ipv6(clean_env: None, tmp_path: Path) -> None:
+    settings = Settings(host="::", api_keys_file=tmp_path / "keys",
+                        tls_cert_file=tmp_path / "c.pem", tls_key_file=tmp_path / "k.pem")
+    text = launcher.banner(settings, *launcher.flower_binding(settings, {}))
+    assert f"HTTP API      https://[::]:{settings.http_port}/v2" in text
+    assert f"gRPC          [::]:{settings.grpc_port}  (TLS)" in text
+    assert f"API keys from {tmp_path / 'keys'}." in text
+
+
 def test_stop_terms_all_at_once_then_kills_whole_groups_at_one_deadline() -> None:
     stubborn = "trap '' TERM; sleep 300 & sleep 300 & wait"  # ignored TERM is inherited
     children = [launcher.start(f"stubborn{i}", ["sh", "-c", stubborn]) for i in range(3)]
