@@ -16,6 +16,7 @@ outright (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -215,11 +216,11 @@ def watch(children: list[Child], stop: StopRequest) -> int:
         exited = [c for c in children if not c.alive()]
         if exited:
             names = ", ".join(f"{c.name} (code {c.popen.returncode})" for c in exited)
-            print(f"{names} exited; stopping the rest", file=sys.stderr, flush=True)
+            _say(f"{names} exited; stopping the rest")
             return 1
         time.sleep(POLL_S)
-    print(f"{signal.Signals(stop.signum).name}: stopping everything "
-          f"(at most {STOP_DEADLINE_S:.0f}s)", flush=True)
+    _say(f"{signal.Signals(stop.signum).name}: stopping everything "
+         f"(at most {STOP_DEADLINE_S:.0f}s)")
     return 0
 
 
@@ -236,10 +237,16 @@ def stop_all(children: list[Child], own_redis: list[Child],
     _wait(own_redis, deadline)
     late = [c.name for c in children + own_redis if c.alive()]
     if late:
-        print(f"{', '.join(late)} still running after {deadline_s:.0f}s: killed",
-              file=sys.stderr, flush=True)
+        _say(f"{', '.join(late)} still running after {deadline_s:.0f}s: killed")
     for child in children + own_redis:
         child.kill_group()
+
+
+def _say(text: str) -> None:
+    """A message on stderr that cannot break the stop: the terminal or the pipe reading
+    it (``make run | tee``) may be gone by now."""
+    with contextlib.suppress(OSError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def _wait(children: list[Child], deadline: float) -> None:

@@ -4,6 +4,7 @@ leaves no process behind whatever signals arrive (or when the launcher itself is
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -255,3 +256,20 @@ def _wait_ready(ports: dict[str, int], out: Path) -> None:
         wait_for(ready, READY_TIMEOUT_S, "conveyor run to be ready", interval=0.5)
     except AssertionError:
         raise AssertionError(out.read_text(errors="replace")) from None
+
+
+class _GonePipe(io.StringIO):
+    def write(self, _text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_stop_survives_a_reader_that_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make run | tee``: Ctrl-C kills tee too; the launcher must still stop everything."""
+    monkeypatch.setattr(sys, "stderr", _GonePipe())
+    stop = launcher.StopRequest()
+    stop(signal.SIGINT, None)
+    stop(signal.SIGTERM, None)
+    stubborn = launcher.start("stubborn", ["sh", "-c", "trap '' TERM; sleep 300"])
+    assert launcher.watch([stubborn], stop) == 0
+    launcher.stop_all([stubborn], [], deadline_s=0.5)
+    assert stubborn.popen.returncode == -signal.SIGKILL
