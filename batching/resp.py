@@ -64,6 +64,15 @@ def new_reader() -> Any:
     return hiredis.Reader(replyError=RespError)
 
 
+CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+             "none": ssl.CERT_NONE}
+CERT_REQS_NAMES = {**{name: name for name in CERT_REQS},
+                   **{f"CERT_{name.upper()}": name for name in CERT_REQS}}
+"""``ssl_cert_reqs`` values redis-py and Celery accept, to the short name."""
+FALSE = frozenset({"0", "F", "FALSE", "N", "NO"})
+"""What redis-py reads as false in a URL's query."""
+
+
 @dataclass(frozen=True, slots=True)
 class Address:
     """Where Redis listens and how to log in, from a ``redis://``, ``rediss://`` or
@@ -80,6 +89,12 @@ class Address:
     """``ssl_cert_reqs`` of the URL, as redis-py reads it: required, optional or none."""
     ca_certs: str | None = None
     """``ssl_ca_certs`` of the URL: a CA bundle to trust instead of the system's."""
+    certfile: str | None = None
+    """``ssl_certfile``: the client certificate (PEM) presented to Redis (mutual TLS)."""
+    keyfile: str | None = None
+    """``ssl_keyfile``: the client certificate's key; None: in ``certfile``."""
+    check_hostname: bool = True
+    """``ssl_check_hostname``: the server certificate must name the host (when verified)."""
 
     @classmethod
     def from_url(cls, url: str) -> Address:
@@ -87,6 +102,8 @@ class Address:
         if parsed.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"unsupported Redis URL scheme {parsed.scheme!r}: {mask_url(url)}")
         query = parse_qs(parsed.query)
+        def one(name: str) -> str | None:
+            return next(iter(query.get(name, [])), None)
         db_text = (query.get("db") or [""])[0] or parsed.path.lstrip("/") or "0"
         if parsed.scheme == "unix":
             db_text = (query.get("db") or ["0"])[0]
@@ -95,14 +112,21 @@ class Address:
                    username=unquote(parsed.username) if parsed.username else None,
                    password=unquote(parsed.password) if parsed.password else None,
                    tls=parsed.scheme == "rediss",
-                   tls_verify=(query.get("ssl_cert_reqs") or ["required"])[0].lower(),
-                   ca_certs=next(iter(query.get("ssl_ca_certs", [])), None))
+                   tls_verify=CERT_REQS_NAMES.get(one("ssl_cert_reqs") or "required", "?"),
+                   ca_certs=one("ssl_ca_certs"), certfile=one("ssl_certfile"),
+                   keyfile=one("ssl_keyfile"),
+                   check_hostname=(one("ssl_check_hostname") or "true").upper() not in FALSE)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The TLS context of a ``rediss://`` URL; None for plain connections."""
         if not self.tls:
             return None
+        if self.tls_verify not in CERT_REQS:
+            raise ValueError("ssl_cert_reqs must be required, optional or none")
         context = ssl.create_default_context(cafile=self.ca_certs)
+        context.check_hostname = self.check_hostname
+        if self.certfile:
+            context.load_cert_chain(self.certfile, self.keyfile)
         if self.tls_verify == "none":
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
@@ -110,6 +134,18 @@ class Address:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_OPTIONAL
         return context
+
+    def ssl_options(self) -> dict[str, Any] | None:
+        """The TLS options of a ``rediss://`` URL as redis-py's connection keywords, which
+        are also what Celery's ``broker_use_ssl`` and ``redis_backend_use_ssl`` take;
+        None for plain connections."""
+        if not self.tls:
+            return None
+        if self.tls_verify not in CERT_REQS:
+            raise ValueError("ssl_cert_reqs must be required, optional or none")
+        return {"ssl_cert_reqs": CERT_REQS[self.tls_verify], "ssl_ca_certs": self.ca_certs,
+                "ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile,
+                "ssl_check_hostname": self.check_hostname}
 
     def login(self) -> list[Command]:
         """Commands to send first on a new connection: AUTH and SELECT, as needed."""

@@ -5,6 +5,10 @@
     conveyor jobs status ID
     conveyor jobs result ID -o out.npz
     conveyor jobs cancel ID
+    conveyor jobs list
+
+With API keys on the server, ``CONVEYOR_API_KEY`` is sent as the bearer key: a job is
+seen, listed and cancelled only with the key that submitted it (or an admin key).
 
 Arrays (.npy: the model's one input; .npz: one array per input name) travel as binary
 tensors; a .json file is a KServe v2 body (``inputs``, optional ``outputs`` and
@@ -61,10 +65,14 @@ def add_parser(commands: Any) -> None:
     result.add_argument("-o", "--out", type=Path, help=".npz (arrays) or .json (KServe v2)")
     cancel = sub.add_parser("cancel", parents=[common], help="cancel a job")
     cancel.add_argument("id")
+    listing = sub.add_parser("list", parents=[common], help="list your most recent jobs")
+    listing.add_argument("--limit", type=int, default=20)
 
 
 def run(args: argparse.Namespace) -> int:
-    with httpx.Client(base_url=args.url, timeout=TIMEOUT_S) as client:
+    key = os.environ.get("CONVEYOR_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    with httpx.Client(base_url=args.url, timeout=TIMEOUT_S, headers=headers) as client:
         try:
             if args.action == "submit":
                 return _submit(client, args)
@@ -72,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
                 return _print(_call(client, "GET", f"/v1/jobs/{args.id}"))
             if args.action == "result":
                 return _result(client, args.id, args.out)
+            if args.action == "list":
+                return _print(_call(client, "GET", "/v1/jobs", params={"limit": args.limit}))
             return _print(_call(client, "DELETE", f"/v1/jobs/{args.id}"))
         except CliError as exc:
             print(f"conveyor jobs: {exc}", file=sys.stderr)

@@ -6,9 +6,13 @@ the Celery task is recorded instead of sent, so jobs stay PENDING.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import threading
 import uuid
 from collections.abc import Awaitable, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import api.jobs
 from api.auth import key_digest
 from api.main import create_app
 from batching.settings import Settings
+from conveyor import jobs_cli
 from tests.conftest import TEST_MODELS
 from tests.procs import RedisServer, free_port
 
@@ -147,3 +152,36 @@ def test_a_callback_url_outside_the_policy_is_a_400_naming_the_reason(
         await submit(client, None, callback_url="https://93.184.216.34/hook")
 
     run(settings, scenario)
+
+
+def test_the_cli_sends_conveyor_api_key_as_the_bearer_key(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[str | None] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps({"jobs": [], "path": self.path}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = argparse.Namespace(action="list", url=f"http://127.0.0.1:{server.server_port}",
+                                  limit=5)
+        monkeypatch.setenv("CONVEYOR_API_KEY", "alice-key")
+        assert jobs_cli.run(args) == 0
+        monkeypatch.delenv("CONVEYOR_API_KEY")
+        assert jobs_cli.run(args) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["Bearer alice-key", None]
+    assert '"/v1/jobs?limit=5"' in capsys.readouterr().out

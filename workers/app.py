@@ -18,6 +18,7 @@ from click import Option
 
 from batching.jobs import JOB_QUEUE
 from batching.keys import Keys
+from batching.resp import Address
 from batching.settings import Settings
 from workers import control
 from workers.events import NODE_ENV
@@ -47,6 +48,9 @@ app.conf.update(
     result_backend_transport_options={"global_keyprefix": Keys(settings.key_prefix).celery()},
     worker_hijack_root_logger=False,
 )
+_tls = Address.from_url(settings.redis_url).ssl_options()
+if _tls is not None:  # rediss://: the URL's ssl_* options, ssl_cert_reqs=required by default
+    app.conf.update(broker_use_ssl=_tls, redis_backend_use_ssl=_tls)
 
 app.user_options["worker"].add(Option(
     ["--inference/--no-inference"], default=True,
