@@ -1,5 +1,5 @@
 # One image for every conveyor role; the command picks it:
-#   API     uvicorn api.main:app --host 0.0.0.0 --port 8000 --no-access-log
+#   API     python -m api.serve   (HTTP 8000, gRPC 8001; needs CONVEYOR_API_KEYS_FILE)
 #   worker  celery -A workers.app worker --loglevel INFO
 #   Flower  celery -A workers.app flower --port=5555
 #
@@ -35,6 +35,9 @@ COPY models ./models
 RUN useradd --create-home --uid 1000 conveyor && chown -R conveyor /app
 USER conveyor
 
-ENV CONVEYOR_MODEL_REPOSITORY=/app/models
-EXPOSE 8000 5555
-CMD ["uvicorn", "api.main:app", "--host", "0.0.0.0", "--port", "8000", "--no-access-log"]
+# Every interface of the container: the API then refuses to start without API keys
+# (CONVEYOR_API_KEYS_FILE, mounted from a secret) unless CONVEYOR_ALLOW_UNAUTHENTICATED=1.
+ENV CONVEYOR_MODEL_REPOSITORY=/app/models \
+    CONVEYOR_HOST=0.0.0.0
+EXPOSE 8000 8001 8002 5555
+CMD ["python", "-m", "api.serve"]

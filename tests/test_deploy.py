@@ -40,3 +40,33 @@ def test_kubernetes_manifests_parse_and_probe_the_right_paths() -> None:
     assert containers["api"]["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert containers["api"]["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert containers["worker"]["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_containers_start_the_api_with_its_guards_and_require_keys() -> None:
+    """``python -m api.serve`` everywhere; in containers it listens beyond loopback, so keys."""
+    procfile = dict(line.split(":", 1) for line in (ROOT / "Procfile").read_text().splitlines()
+                    if line.strip())
+    assert "python -m api.serve" in procfile["api"]
+    assert "--address=${FLOWER_ADDRESS:-127.0.0.1}" in procfile["flower"]
+    assert 'CMD ["python", "-m", "api.serve"]' in (ROOT / "Dockerfile").read_text()
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    api = compose["services"]["api"]
+    assert api["command"] == ["python", "-m", "api.serve"]
+    assert api["environment"]["CONVEYOR_API_KEYS_FILE"] == "/run/secrets/conveyor-api-keys"
+    assert "conveyor-api-keys" in api["secrets"] and "conveyor-api-keys" in compose["secrets"]
+    assert compose["services"]["flower"]["ports"] == ["127.0.0.1:5555:5555"]
+
+    docs = [d for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+            for d in yaml.safe_load_all(path.read_text()) if d]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] == "Deployment"}
+    container = pods["conveyor-api"]["containers"][0]
+    assert container["command"] == ["python", "-m", "api.serve"]
+    keys_file = next(e["value"] for e in container["env"] if e["name"] == "CONVEYOR_API_KEYS_FILE")
+    mount = next(m for m in container["volumeMounts"] if keys_file.startswith(m["mountPath"]))
+    volume = next(v for v in pods["conveyor-api"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "conveyor-api-keys"
+    flower_env = pods["conveyor-flower"]["containers"][0]["env"]
+    assert any(e["name"] == "FLOWER_BASIC_AUTH" and "secretKeyRef" in e["valueFrom"]
+               for e in flower_env)
