@@ -269,7 +269,8 @@ def test_stop_survives_a_reader_that_is_gone(monkeypatch: pytest.MonkeyPatch) ->
     stop = launcher.StopRequest()
     stop(signal.SIGINT, None)
     stop(signal.SIGTERM, None)
-    stubborn = launcher.start("stubborn", ["sh", "-c", "trap '' TERM; sleep 300"])
+    stubborn = launcher.start("stubborn", ["sh", "-c", "trap '' TERM; sleep 300 & wait"])
+    wait_for(lambda: len(_group(stubborn.popen.pid)) == 2, 10, "the trap to be set")
     assert launcher.watch([stubborn], stop) == 0
     launcher.stop_all([stubborn], [], deadline_s=0.5)
     assert stubborn.popen.returncode == -signal.SIGKILL
