@@ -1,4 +1,5 @@
-"""The binary tensor extension's byte-level pieces: raw tensors, raw requests, compression.
+"""The binary tensor extension's byte-level pieces: raw tensors, raw requests, compressed
+responses (request bodies are inflated by :mod:`api.body`).
 
 Binary tensors are little-endian, row-major, unpadded; BOOL is one byte (0 or 1); a BYTES
 element is a 4-byte little-endian length and then its bytes. That is also the form a
@@ -88,24 +89,6 @@ def raw_input(body: bytes, config: ModelConfig) -> Tensor:
     else:
         rows = len(body) // fixed
     return tensor_from_buffer(spec.name, spec.datatype, (rows, *inner), body)
-
-
-def decompress(body: bytes, encoding: str) -> bytes:
-    """Undo a request's ``Content-Encoding`` (gzip, or deflate in zlib or raw form)."""
-    encoding = encoding.strip().lower()
-    try:
-        if encoding in ("", "identity"):
-            return body
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            try:
-                return zlib.decompress(body)
-            except zlib.error:
-                return zlib.decompress(body, -zlib.MAX_WBITS)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise InvalidInput(f"request body is not valid {encoding}: {exc}") from None
-    raise InvalidInput(f"unsupported Content-Encoding {encoding!r}; use gzip or deflate")
 
 
 def compress(body: bytes, accept: str) -> tuple[bytes, str | None]:

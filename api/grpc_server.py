@@ -23,6 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from api import grpc_listener
 from api.grpc_codec import infer_response, parameters, parse_request
+from api.kserve import InferRequest
 from api.proto import inference_pb2 as pb
 from api.proto import inference_pb2_grpc as pb_grpc
 from api.repository import Repository
@@ -30,6 +31,7 @@ from api.routes import check_load_parameters, metadata, server_metadata
 from api.service import InferenceService
 from api.stats import statistics
 from api.triton_config import triton_config
+from batching.config import ModelConfig
 from batching.errors import ConveyorError
 from batching.settings import Settings
 
@@ -58,8 +60,14 @@ def _mapped(method: Handler[Reply]) -> Handler[Reply]:
         try:
             return await method(self, request, context)
         except ConveyorError as exc:
-            await context.abort(grpc.StatusCode[exc.grpc_status], exc.message)
-            raise  # abort raised already; this keeps type checkers content
+            status, message = grpc.StatusCode[exc.grpc_status], exc.message
+        # Abort outside the except block and without the request: grpc keeps the abort's
+        # traceback, and with it this frame, in a reference cycle with the call's state.
+        # Chained to the error, or with the request in this frame, a rejected request
+        # (up to the message limit) would stay in memory until a garbage collection.
+        del request
+        await context.abort(status, message)
+        raise AssertionError("context.abort returned")  # it raises; this tells type checkers
 
     return wrapper
 
@@ -89,9 +97,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, protocol: str) -> pb.ModelInferResponse:
         started = time.perf_counter()
-        parsed, reply = await self.service.infer(
-            request.model_name, lambda config: parse_request(request, config), started,
-            protocol, request.model_version)
+
+        async def parse(config: ModelConfig) -> InferRequest:
+            return parse_request(request, config)
+
+        parsed, reply = await self.service.infer(request.model_name, parse, started, protocol,
+                                                 request.model_version)
         return infer_response(request.model_name, parsed, reply.outputs)
 
     @_mapped

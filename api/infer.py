@@ -7,11 +7,14 @@ dependency solving and pydantic, which cost more than the whole Redis round trip
 It speaks JSON and the binary tensor extension: ``Inference-Header-Content-Length``
 splits the body into a JSON header and raw tensors (``0``: the whole body is the raw
 data of the model's one input); gzip and deflate request bodies are accepted and the
-response is compressed when ``Accept-Encoding`` asks for it.
+response is compressed when ``Accept-Encoding`` asks for it. The model is looked up
+before the body is read, and the body is read, inflated and parsed within the limits of
+:mod:`api.body` (413 past ``max_request_bytes``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -19,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from api.binary import compress, decompress, raw_input
+from api.binary import compress, raw_input
+from api.body import content_length, drain, inflate, read_body
 from api.kserve import InferRequest, parse_header, render
 from api.service import InferenceService
 from batching.config import ModelConfig
@@ -55,13 +59,24 @@ class InferRoute:
                      send: Send) -> None:
         started = time.perf_counter()
         headers: dict[bytes, bytes] = dict(scope["headers"])
-        body = await _read_body(receive)
         header_length = headers.get(HEADER_LENGTH)
         protocol = "http_json" if header_length is None else "http_binary"
+        limits = self.service.bodies
+        declared = content_length(headers.get(b"content-length"))
+        read = False
 
-        def parse(config: ModelConfig) -> InferRequest:
-            return _parse(decompress(body, headers.get(b"content-encoding", b"").decode("latin-1")),
-                          header_length, config)
+        async def parse(config: ModelConfig) -> InferRequest:
+            """Read, inflate and parse the body; a large one holds a place while it does."""
+            nonlocal read
+            async with limits.claim() as claim:
+                body = await read_body(receive, claim, declared, limits.max_bytes)
+                read = True
+                encoding = headers.get(b"content-encoding")
+                if encoding is not None:
+                    body = await inflate(body, encoding.decode("latin-1"), claim, limits.max_bytes)
+                if claim.held:
+                    return await asyncio.to_thread(_parse, body, header_length, config)
+                return _parse(body, header_length, config)
 
         try:
             parsed, reply = await self.service.infer(model, parse, started, protocol, version)
@@ -69,6 +84,11 @@ class InferRoute:
             extra = []
             if isinstance(exc, Overloaded):
                 extra.append((b"retry-after", str(exc.retry_after_s).encode()))
+            if not read:  # answered before the body was read: skip a small one, else hang up
+                if declared is not None and declared < limits.large_bytes:
+                    await drain(receive)
+                else:
+                    extra.append((b"connection", b"close"))
             await _respond(send, exc.http_status, orjson.dumps({"error": exc.message}),
                            [(b"content-type", JSON_TYPE), *extra])
             return
@@ -87,28 +107,19 @@ class InferRoute:
 def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> InferRequest:
     if header_length is None:
         return parse_header(body, memoryview(b""), config)
-    try:
-        length = int(header_length)
-    except ValueError:
-        raise InvalidInput("Inference-Header-Content-Length must be an integer") from None
+    length = content_length(header_length)
+    if length is None:
+        raise InvalidInput("Inference-Header-Content-Length must be a non-negative integer "
+                           f"(ASCII digits), got {header_length.decode('latin-1')!r}")
     if length == 0:
         tensor = raw_input(body, config)
         rows = check_inputs(config, [(tensor.name, tensor.datatype, tensor.shape)])
         return InferRequest(id=None, inputs=[tensor], rows=rows, binary_default=True)
-    if not 0 < length <= len(body):
+    if length > len(body):
         raise InvalidInput(f"Inference-Header-Content-Length {length} does not fit a body of "
                            f"{len(body)} bytes")
     view = memoryview(body)
     return parse_header(view[:length], view[length:], config)
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def _respond(send: Send, status: int, body: bytes,

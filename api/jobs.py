@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from api.auth import PRINCIPAL, Principal
+from api.body import LargeBody, content_length, read_body
 from api.kserve import InferRequest, json_object, parse_header, render
 from api.service import InferenceService
 from batching.callbacks import AllowList, check_callback
@@ -62,10 +63,6 @@ PAGE = 100
 """Jobs ``GET /v1/jobs`` answers by default (``limit``, at most :data:`LISTED`)."""
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
     """The ``/v1/jobs`` routes, over the API's Redis connection and models."""
     router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -89,17 +86,16 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
 
     @router.post("", status_code=202)
     async def submit(request: Request) -> Response:
-        try:
-            body = await _read_body(request, settings.job_max_bytes)
-        except BodyTooLarge:
-            return JSONResponse({"error": f"a job body may hold at most {settings.job_max_bytes} "
-                                          "bytes (CONVEYOR_JOB_MAX_BYTES)"}, status_code=413)
-        header, binary = _split(body, request.headers.get(HEADER_LENGTH))
-        model = json_object(header).get("model")
-        if not isinstance(model, str):
-            raise InvalidInput("'model' must name the model to run")
-        config = service.model(model)
-        parsed = parse_header(header, binary, replace(config, max_batch_size=MAX_JOB_ROWS))
+        async with service.bodies.claim() as claim:  # a large body holds a place until parsed
+            body = await _read_body(request, claim, settings.job_max_bytes)
+            header, binary = _split(body, request.headers.get(HEADER_LENGTH))
+            model = json_object(header).get("model")
+            if not isinstance(model, str):
+                raise InvalidInput("'model' must name the model to run")
+            config = service.model(model)
+            job_config = replace(config, max_batch_size=MAX_JOB_ROWS)
+            parsed = (await asyncio.to_thread(parse_header, header, binary, job_config)
+                      if claim.held else parse_header(header, binary, job_config))
         record = JobRecord(
             id=uuid.uuid4().hex, model=model, state=JobState.PENDING, total=parsed.rows,
             priority=_priority(parsed, config),
@@ -225,18 +221,10 @@ def _redis_guard() -> Iterator[None]:
         raise Unavailable(f"Redis is unreachable: {exc}") from None
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge()
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge()
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def _read_body(request: Request, claim: LargeBody, limit: int) -> bytes:
+    return await read_body(request.receive, claim,
+                           content_length(request.headers.get("content-length")), limit,
+                           "CONVEYOR_JOB_MAX_BYTES")
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[memoryview, memoryview]:

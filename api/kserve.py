@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 
 from api.binary import tensor_from_buffer
@@ -88,8 +89,10 @@ def parse_header(header: bytes | memoryview, binary: memoryview,
         raise InvalidInput("'parameters' must be an object")
     names, flags = _wanted_outputs(doc.get("outputs"))
     rid = doc.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidInput(f"'id' must be a string, got {type(rid).__name__}")
     return InferRequest(
-        id=str(rid) if rid is not None else None,
+        id=rid,
         inputs=tensors,
         rows=rows,
         outputs=check_outputs(names, config),
@@ -109,7 +112,7 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
     if not isinstance(datatype, str):
         raise InvalidInput(f"input {name!r}: 'datatype' must be a string")
     to_numpy(datatype)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
     params = item.get("parameters") or {}
     if not isinstance(params, dict):
@@ -136,7 +139,7 @@ def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) ->
             if not all(isinstance(v, bytes) for v in array):
                 raise TypeError("BYTES elements must be strings")
         else:
-            array = np.asarray(data, dtype=to_numpy(datatype))
+            array = json_numbers(data, to_numpy(datatype))
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: data is not {datatype}: {exc}") from None
     if array.size != count:
@@ -145,6 +148,54 @@ def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) ->
             f"({count} expected)"
         )
     return Tensor.from_array(name, array.reshape(shape), datatype)
+
+
+_JSON_TYPES: dict[str, tuple[frozenset[type], str]] = {
+    "b": (frozenset({bool}), "true/false"),
+    "i": (frozenset({int}), "integers"),
+    "u": (frozenset({int}), "integers"),
+    "f": (frozenset({int, float}), "numbers"),
+}
+"""The JSON values each kind of datatype takes (v2 is strict: no null, strings or bools
+among numbers, no fractions for integer types), and their name for error messages."""
+_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+"""The same, as numpy kinds of an array numpy reads from nested lists."""
+_SCAN_MAX = 4096
+"""A flat list of up to this many elements (of any length for types other than floating
+point, whose 0 and 1 values are common) has its element types checked one by one, and
+numpy converts it with the target dtype at once."""
+
+
+def json_numbers(data: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """JSON ``data`` (flat or nested lists) as an array of ``dtype``, strictly as v2 asks.
+
+    A flat list has its element types checked (see ``_SCAN_MAX``). Anything else is read by numpy as
+    it is first: null, strings and mixtures turn into an object or string array, and
+    fractions into a float one, all refused where they do not fit. A bool among numbers
+    would read as 0 or 1, so the elements that read as 0 or 1 have their types checked.
+    Integers must fit the type.
+    """
+    allowed, what = _JSON_TYPES[dtype.kind]
+    if (isinstance(data, list) and data and not isinstance(data[0], list)
+            and (len(data) <= _SCAN_MAX or dtype.kind != "f")):
+        if not allowed.issuperset(map(type, data)):
+            raise TypeError(f"elements must be JSON {what}")
+        return np.asarray(data, dtype=dtype)
+    found = np.asarray(data)
+    if found.size == 0:
+        return found.astype(dtype)
+    if found.dtype.kind not in _KINDS[dtype.kind]:
+        raise TypeError(f"elements must be JSON {what}")
+    if found.dtype.kind in "iu" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if found.min() < info.min or found.max() > info.max:
+            raise OverflowError(f"elements must lie in {info.min}..{info.max}")
+    if dtype.kind != "b":
+        zero_or_one = (found == 0) | (found == 1)
+        if zero_or_one.any() and bool in map(type, np.asarray(data, dtype=np.object_)[
+                zero_or_one]):
+            raise TypeError(f"elements must be JSON {what}")
+    return found.astype(dtype, copy=False)
 
 
 def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from api.auth import Guard, KeyStore
 from api.auth_grpc import AuthInterceptor
 from api.auth_http import AuthGuard
+from api.body import BodyLimits
 from api.dispatch import Dispatcher
 from api.grpc_server import GrpcEndpoint
 from api.health import WorkerWatch
@@ -36,7 +37,8 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
     dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6)
     watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
                         settings.heartbeat_stale_s)
-    service = InferenceService(models, dispatcher, watch, keys, ApiMetrics())
+    service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
+                               BodyLimits.from_settings(settings))
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s)
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from api.body import BodyLimits
 from api.dispatch import Admission, Dispatcher
 from api.health import WorkerWatch
 from api.kserve import InferRequest
@@ -29,6 +30,8 @@ class InferenceService:
     watch: WorkerWatch
     keys: Keys
     metrics: ApiMetrics
+    bodies: BodyLimits
+    """Request body limits, and the places for large bodies this process shares out."""
     unloaded: set[str] = field(default_factory=set)
     """Models unloaded through the repository API (kept in step by api.repository)."""
 
@@ -43,9 +46,12 @@ class InferenceService:
             raise ModelNotFound(f"model {name!r} has no version {version!r} (only \"1\")")
         return config
 
-    async def infer(self, model: str, parse: Callable[[ModelConfig], InferRequest],
+    async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
                     started: float, protocol: str, version: str = "") -> tuple[InferRequest, Reply]:
         """Parse, validate and run one request through Redis and a worker.
+
+        ``parse`` runs only once the model is known, so an unknown model is answered
+        before a body is read.
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
@@ -56,7 +62,7 @@ class InferenceService:
             self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
             raise
         try:
-            parsed = parse(config)
+            parsed = await parse(config)
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
             priority = self._priority(config, parsed)
@@ -64,7 +70,7 @@ class InferenceService:
             timeout_ms = float(config.queue.default_timeout_ms)
             asked = parsed.parameters.get("timeout")
             if asked is not None:
-                if not isinstance(asked, int | float) or asked < 0:
+                if isinstance(asked, bool) or not isinstance(asked, int | float) or asked < 0:
                     raise InvalidInput("parameters.timeout must be a non-negative number of µs")
                 if asked > 0:
                     timeout_ms = min(timeout_ms, asked / 1000.0)

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +32,10 @@ _OOM_TEXT = ("failed to allocate memory", "out of memory")
 _FATAL_TEXT = ("illegal memory access", "device-side assert", "unspecified launch failure",
                "cuda error: an illegal instruction", "misaligned address")
 _module_ids = itertools.count()
+_PATH = re.compile(r"(?<![\w./\\])(?:[A-Za-z]:)?[\\/](?:[^\s\\/'\":]+[\\/])*([^\s\\/'\":]+)")
+"""An absolute file path (POSIX or Windows); group 1 is its last component, all that is
+kept of it."""
+SUMMARY_MAX = 300
 
 
 class LoadedModel(Protocol):
@@ -58,6 +63,24 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def is_fatal_device_error(exc: BaseException) -> bool:
     """True for a CUDA error that poisons the context: the process must restart to recover."""
     return any(_mentions(item, _FATAL_TEXT) for item in _chain(exc))
+
+
+def error_summary(exc: BaseException) -> str:
+    """A model's exception as its clients see it: one line, no file paths, at most
+    ``SUMMARY_MAX`` characters. The worker logs the whole text and traceback.
+
+    The first line of the message, or, after a traceback the message carries (TorchScript
+    quotes its interpreter's and the model's source), the last line: the error itself.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    name = type(exc).__name__
+    if not lines:
+        return name
+    traced = any(line.startswith("Traceback") for line in lines)
+    line = _PATH.sub(lambda match: match.group(1), lines[-1] if traced else lines[0])
+    if not line.startswith(f"{name}:"):
+        line = f"{name}: {line}"
+    return line if len(line) <= SUMMARY_MAX else line[:SUMMARY_MAX - 3] + "..."
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -211,7 +234,7 @@ def _load_python(config: ModelConfig, path: Path, device: str) -> LoadedModel:
     module_name = f"conveyor_model_{next(_module_ids)}_{config.name}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ModelFailure(f"{config.name}: cannot import {path}")
+        raise ModelFailure(f"{config.name}: cannot import {path.name}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     folder = str(path.parent)

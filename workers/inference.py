@@ -29,7 +29,12 @@ from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import COMPUTE_PHASES, Keys
 from batching.memory import RowCap
 from batching.policy import make_policy
-from workers.backends import LoadedModel, is_fatal_device_error, is_out_of_memory
+from workers.backends import (
+    LoadedModel,
+    error_summary,
+    is_fatal_device_error,
+    is_out_of_memory,
+)
 from workers.recovery import Reclaimer
 from workers.shared_state import SharedState
 from workers.streams import ModelStreams
@@ -262,7 +267,7 @@ class InferenceLoop:
                 raise DeviceLost(str(exc)) from exc
             log.exception("model %s failed on a batch of %d rows", self.config.name, rows)
             raise ModelFailure(f"model {self.config.name!r} failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
+                               f"{error_summary(exc)}") from exc
         for name, arr in outputs.items():
             if name not in self._out_types:
                 self._out_types[name] = from_numpy(arr.dtype)
