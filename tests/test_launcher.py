@@ -121,6 +121,13 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         parent.wait()
 
 
+def test_a_parent_gone_before_the_call_signals_at_once() -> None:
+    script = ("import signal, time; from batching.lifetime import die_with_parent; "
+              "die_with_parent(signal.SIGTERM, 1); time.sleep(30)")  # 1: not our parent
+    child = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=30, check=False)
+    assert child.returncode == -signal.SIGTERM
+
+
 # --- Real processes: the whole stack under make or conveyor run ------------------------
 
 def _pids() -> list[int]:
