@@ -26,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
+from batching.errors import ConveyorError, HeadersTooLarge, RequestTimeout
 from batching.settings import Settings
 
 log = logging.getLogger("conveyor.api")
@@ -112,8 +113,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """The parser failed; when it was the header limit that stopped it, say so."""
         if self._header_bytes > self.limits.max_header_bytes:
-            self._reject(431, "request headers larger than "
-                              f"{self.limits.max_header_bytes} bytes")
+            self._reject(self._headers_too_large())
         else:
             super().send_400_response(msg)
 
@@ -148,9 +148,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._body_timer = None
 
     def _count_header_bytes(self, size: int) -> None:
+        """Raised inside the parser, the error stops it; :meth:`send_400_response` answers."""
         self._header_bytes += size
         if self._header_bytes > self.limits.max_header_bytes:
-            raise HeadersTooLarge
+            raise self._headers_too_large()
+
+    def _headers_too_large(self) -> HeadersTooLarge:
+        return HeadersTooLarge(f"request line and headers larger than "
+                               f"{self.limits.max_header_bytes} bytes")
 
     def _headers_late(self) -> None:
         self._header_timer = None
@@ -163,12 +168,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         cycle.disconnected = True  # the application's further sends go nowhere
         cycle.message_event.set()
-        self._reject(408, f"request body not received within {self.limits.body_timeout_s:g} s")
+        self._reject(RequestTimeout(
+            f"request body not received within {self.limits.body_timeout_s:g} s"))
 
-    def _reject(self, status: int, message: str) -> None:
-        body = orjson.dumps({"error": message})
+    def _reject(self, error: ConveyorError) -> None:
+        """Answer ``error`` and close the connection."""
+        body = orjson.dumps({"error": error.message})
         self.transport.write(b"".join([
-            STATUS_LINE[status],
+            STATUS_LINE[error.http_status],
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
@@ -181,8 +188,4 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             GuardedHttpProtocol._last_warning = now
             log.warning("%d HTTP connections open (CONVEYOR_HTTP_MAX_CONNECTIONS): "
                         "closing new ones", self.limits.max_connections)
-
-
-class HeadersTooLarge(Exception):
-    """Raised inside the parser; it stops parsing and the connection gets a 431."""
 

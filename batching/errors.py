@@ -62,6 +62,22 @@ class PayloadTooLarge(ConveyorError):
     grpc_status = "RESOURCE_EXHAUSTED"
 
 
+class RequestTimeout(ConveyorError):
+    """A request body not complete within ``http_body_timeout_s`` of its headers."""
+
+    code = "request_timeout"
+    http_status = 408
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
+class HeadersTooLarge(ConveyorError):
+    """A request line and headers above the HTTP listener's limit."""
+
+    code = "headers_too_large"
+    http_status = 431
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
 class ModelControlDisabled(Unavailable):
     """Repository load or unload while model control is off (Triton's model control
     mode NONE answers UNAVAILABLE too)."""
@@ -103,7 +119,7 @@ _BY_CODE: dict[str, type[ConveyorError]] = {
     cls.code: cls
     for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
                 DeadlineExceeded, ModelFailure, ModelControlDisabled, Unauthenticated,
-                PermissionDenied, PayloadTooLarge)
+                PermissionDenied, PayloadTooLarge, RequestTimeout, HeadersTooLarge)
 }
 
 
