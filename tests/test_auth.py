@@ -1,4 +1,9 @@
-"""API keys (api.auth), the HTTP guard around the whole app and the gRPC interceptor."""
+"""API keys (api.auth), the HTTP guard around the whole app and the gRPC interceptor.
+
+Nothing here imports ``api.proto`` (or ``api.main``, which does): its ``inference.*``
+symbols would collide with tritonclient's in the test process (see test_protocol_proto).
+The real app runs as a process; gRPC calls go out as raw bytes.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
-from api.auth import Guard, KeyStore, Need, Scope, key_digest, parse_keys
+from api.auth import PRINCIPAL, Guard, KeyStore, Need, Scope, key_digest, parse_keys
 from api.auth_grpc import AuthInterceptor, grpc_need
 from api.auth_http import AuthGuard, http_need
-from api.main import create_app
-from api.proto import inference_pb2 as pb
-from api.proto import inference_pb2_grpc as pb_grpc
 from batching.errors import PermissionDenied, Unauthenticated
-from batching.settings import Settings
-from tests.conftest import TEST_MODELS
-from tests.procs import free_port
+from tests.conftest import TEST_MODELS, Stack
+from tests.procs import RedisServer, free_port
 
 with warnings.catch_warnings():  # Starlette would rather have httpx2; httpx serves
     warnings.simplefilter("ignore")
@@ -109,69 +111,46 @@ def test_http_paths_map_to_the_documented_scopes(path: str, need: Need) -> None:
     assert http_need(path) is need
 
 
-@pytest.fixture
-def client(keys_file: Path) -> Iterator[TestClient]:
-    """The real app (no lifespan: nothing here reaches Redis) with a keys file."""
-    app = create_app(Settings(api_keys_file=keys_file, model_repository=TEST_MODELS,
-                              models="echo"))
-    with_client = TestClient(app)
-    yield with_client
-    with_client.close()
-
-
-def test_http_without_a_valid_key_is_401_with_a_bearer_challenge(client: TestClient) -> None:
-    for response in (client.get("/v2"), client.get("/v2", headers=bearer("wrong")),
-                     client.post("/v2/models/echo/infer", content=b"{}"),
-                     client.post("/v2/repository/models/echo/unload")):
-        assert response.status_code == 401, response.text
-        assert response.headers["www-authenticate"].startswith("Bearer")
-        assert "error" in response.json()
-
-
-def test_http_keys_reach_what_their_scopes_cover(client: TestClient) -> None:
-    assert client.get("/v2", headers=bearer("inf-key")).status_code == 200
-    assert client.get("/v2/models/echo", headers=bearer("inf-key")).status_code == 200
-    assert client.get("/docs", headers=bearer("inf-key")).status_code == 200
-    assert client.get("/v2/models/echo", headers=bearer("adm-key")).status_code == 200
-    denied = client.get("/v2/models/echo", headers=bearer("job-key"))
-    assert denied.status_code == 403 and "infer" in denied.json()["error"]
-    assert client.post("/v2/repository/models/echo/unload",
-                       headers=bearer("inf-key")).status_code == 403
-    assert client.post("/v1/jobs", headers=bearer("inf-key")).status_code == 403
-
-
-def test_unknown_paths_need_a_key_before_they_are_a_404(client: TestClient) -> None:
-    assert client.get("/v2/secret").status_code == 401
-    assert client.get("/v2/secret", headers=bearer("job-key")).status_code == 404
-
-
-def test_health_is_open_unless_auth_health(client: TestClient, keys_file: Path) -> None:
-    assert client.get("/v2/health/live").status_code == 200
-    strict = TestClient(create_app(Settings(api_keys_file=keys_file, auth_health=True,
-                                            model_repository=TEST_MODELS, models="echo")))
-    assert strict.get("/v2/health/live").status_code == 401
-    assert strict.get("/v2/health/live", headers=bearer("job-key")).status_code == 200
-
-
-def test_metrics_are_open_unless_auth_metrics(keys_file: Path) -> None:
+def guarded(keys_file: Path, auth_health: bool = False, auth_metrics: bool = False,
+            seen: list[Any] | None = None) -> TestClient:
+    """AuthGuard around an app that answers 200 and records the principal it was given."""
     async def inner(scope: Any, receive: Any, send: Any) -> None:
+        if seen is not None:
+            seen.append(scope[PRINCIPAL])
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    def guarded(auth_metrics: bool) -> TestClient:
-        return TestClient(AuthGuard(inner, Guard(KeyStore(keys_file), False, auth_metrics)))
-
-    assert guarded(False).get("/metrics").status_code == 200
-    assert guarded(True).get("/metrics").status_code == 401
-    assert guarded(True).get("/metrics", headers=bearer("inf-key")).status_code == 200
+    return TestClient(AuthGuard(inner, Guard(KeyStore(keys_file), auth_health, auth_metrics)))
 
 
-def test_without_a_keys_file_nothing_is_asked(tmp_path: Path) -> None:
-    open_app = TestClient(create_app(Settings(model_repository=TEST_MODELS, models="echo")))
-    assert open_app.get("/v2").status_code == 200
+def test_the_guard_answers_401_and_403_before_the_app_and_hands_it_the_principal(
+        keys_file: Path) -> None:
+    seen: list[Any] = []
+    client = guarded(keys_file, seen=seen)
+    missing = client.get("/v2")
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert missing.json() == {"error": "an API key is required (Authorization: Bearer <key>)"}
+    assert client.get("/v2", headers=bearer("wrong")).status_code == 401
+    denied = client.get("/v2", headers=bearer("job-key"))
+    assert denied.status_code == 403 and "'infer'" in denied.json()["error"]
+    assert "insufficient_scope" in denied.headers["www-authenticate"]
+    assert seen == []
+    assert client.get("/v2", headers=bearer("inf-key")).status_code == 200
+    assert seen[0].digest == key_digest("inf-key")
 
 
-# --- gRPC --------------------------------------------------------------------------------
+def test_health_and_metrics_are_open_unless_asked(keys_file: Path) -> None:
+    assert guarded(keys_file).get("/v2/health/live").status_code == 200
+    assert guarded(keys_file).get("/metrics").status_code == 200
+    assert guarded(keys_file, auth_health=True).get("/v2/health/ready").status_code == 401
+    assert guarded(keys_file, auth_health=True).get(
+        "/v2/health/ready", headers=bearer("job-key")).status_code == 200
+    assert guarded(keys_file, auth_metrics=True).get("/metrics").status_code == 401
+    assert guarded(keys_file, auth_metrics=True).get(
+        "/metrics", headers=bearer("inf-key")).status_code == 200
+
+
+# --- gRPC: the interceptor on a real grpc.aio server ---------------------------------------
 
 @pytest.mark.parametrize(("method", "need"), [
     ("ServerLive", Need.HEALTH), ("ServerReady", Need.HEALTH), ("ModelReady", Need.HEALTH),
@@ -186,88 +165,116 @@ def test_grpc_methods_map_to_the_documented_scopes(method: str, need: Need) -> N
     assert grpc_need("/other.Service/Call") is Need.ANY
 
 
-class Servicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """Answers without a model: enough to tell a call that got through."""
-
-    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=True)
-
-    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="conveyor")
-
-    async def RepositoryModelUnload(self, request: Any,
-                                    context: Any) -> pb.RepositoryModelUnloadResponse:
-        return pb.RepositoryModelUnloadResponse()
-
-    async def ModelStreamInfer(self, request_iterator: Any,
-                               context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        async for request in request_iterator:
-            yield pb.ModelStreamInferResponse(
-                infer_response=pb.ModelInferResponse(id=request.id))
+SERVICE = "inference.GRPCInferenceService"
 
 
-async def grpc_calls(keys_file: Path) -> dict[str, Any]:
-    """Each call's outcome (its answer, or its status code) against a real grpc.aio server."""
-    server = grpc.aio.server(interceptors=[AuthInterceptor(Guard(KeyStore(keys_file), False,
-                                                                 False))])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    outcomes: dict[str, Any] = {}
+async def _echo(request: bytes, context: Any) -> bytes:
+    return b"ok:" + request
 
-    async def call(name: str, rpc: Any, *args: Any, metadata: Any = ()) -> None:
-        try:
-            outcomes[name] = await rpc(*args, metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            outcomes[name] = exc.code()
 
-    async def stream(name: str, stub: Any, metadata: Any = ()) -> None:
-        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
-            yield pb.ModelInferRequest(model_name="m", id="a")
-        try:
-            outcomes[name] = [r.infer_response.id async for r in
-                              stub.ModelStreamInfer(requests(), metadata=metadata)]
-        except grpc.aio.AioRpcError as exc:
-            outcomes[name] = exc.code()
+async def _echo_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield b"ok:" + request
 
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            await call("live", stub.ServerLive, pb.ServerLiveRequest())
-            await call("meta-none", stub.ServerMetadata, pb.ServerMetadataRequest())
-            await call("meta-wrong", stub.ServerMetadata, pb.ServerMetadataRequest(),
-                       metadata=(("authorization", "Bearer nope"),))
-            await call("meta-jobs", stub.ServerMetadata, pb.ServerMetadataRequest(),
-                       metadata=(("authorization", "Bearer job-key"),))
-            await call("meta-infer", stub.ServerMetadata, pb.ServerMetadataRequest(),
-                       metadata=(("authorization", "Bearer inf-key"),))
-            await call("meta-bare", stub.ServerMetadata, pb.ServerMetadataRequest(),
-                       metadata=(("authorization", "inf-key"),))
-            await call("unload-infer", stub.RepositoryModelUnload,
-                       pb.RepositoryModelUnloadRequest(model_name="m"),
-                       metadata=(("authorization", "Bearer inf-key"),))
-            await call("unload-admin", stub.RepositoryModelUnload,
-                       pb.RepositoryModelUnloadRequest(model_name="m"),
-                       metadata=(("authorization", "Bearer adm-key"),))
-            await stream("stream-none", stub)
-            await stream("stream-jobs", stub, (("authorization", "Bearer job-key"),))
-            await stream("stream-infer", stub, (("authorization", "Bearer inf-key"),))
-    finally:
-        await server.stop(0)
+
+async def raw_calls(target: str, calls: list[tuple[str, str, str | None]]) -> list[Any]:
+    """Each (kind, method, key) call's answer, or its status code; raw bytes both ways."""
+    outcomes: list[Any] = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        for kind, method, key in calls:
+            metadata = (("authorization", key),) if key else ()
+            path = f"/{SERVICE}/{method}"
+            try:
+                if kind == "unary":
+                    outcomes.append(await channel.unary_unary(path)(b"", metadata=metadata))
+                else:
+                    async def one() -> AsyncIterator[bytes]:
+                        yield b""
+                    outcomes.append([r async for r in channel.stream_stream(path)(
+                        one(), metadata=metadata)])
+            except grpc.aio.AioRpcError as exc:
+                outcomes.append(exc.code())
     return outcomes
 
 
+CALLS: list[tuple[str, str, str | None]] = [
+    ("unary", "ServerLive", None), ("unary", "ServerMetadata", None),
+    ("unary", "ServerMetadata", "Bearer nope"), ("unary", "ServerMetadata", "Bearer job-key"),
+    ("unary", "ServerMetadata", "Bearer inf-key"), ("unary", "ServerMetadata", "inf-key"),
+    ("unary", "RepositoryModelUnload", "Bearer inf-key"),
+    ("unary", "RepositoryModelUnload", "Bearer adm-key"),
+    ("stream", "ModelStreamInfer", None), ("stream", "ModelStreamInfer", "Bearer job-key"),
+    ("stream", "ModelStreamInfer", "Bearer inf-key"),
+]
+DENIED = grpc.StatusCode.UNAUTHENTICATED
+FORBIDDEN = grpc.StatusCode.PERMISSION_DENIED
+
+
 def test_grpc_calls_need_a_key_with_the_scope_streams_included(keys_file: Path) -> None:
-    got = asyncio.run(grpc_calls(keys_file))
-    assert got["live"].live
-    assert got["meta-none"] == grpc.StatusCode.UNAUTHENTICATED
-    assert got["meta-wrong"] == grpc.StatusCode.UNAUTHENTICATED
-    assert got["meta-jobs"] == grpc.StatusCode.PERMISSION_DENIED
-    assert got["meta-infer"].name == "conveyor"
-    assert got["meta-bare"].name == "conveyor"
-    assert got["unload-infer"] == grpc.StatusCode.PERMISSION_DENIED
-    assert isinstance(got["unload-admin"], pb.RepositoryModelUnloadResponse)
-    assert got["stream-none"] == grpc.StatusCode.UNAUTHENTICATED
-    assert got["stream-jobs"] == grpc.StatusCode.PERMISSION_DENIED
-    assert got["stream-infer"] == ["a"]
+    async def scenario() -> list[Any]:
+        guard = Guard(KeyStore(keys_file), False, False)
+        server = grpc.aio.server(interceptors=[AuthInterceptor(guard)])
+        handlers = {name: grpc.unary_unary_rpc_method_handler(_echo) for name in
+                    ("ServerLive", "ServerMetadata", "RepositoryModelUnload")}
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(_echo_stream)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE,
+                                                                              handlers),))
+        port = free_port()
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            return await raw_calls(f"127.0.0.1:{port}", CALLS)
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == [
+        b"ok:", DENIED, DENIED, FORBIDDEN, b"ok:", b"ok:", FORBIDDEN, b"ok:",
+        DENIED, FORBIDDEN, [b"ok:"]]
+
+
+# --- The real API process: the guard wraps everything, the interceptor is on --------------
+
+@pytest.fixture(scope="module")
+def api(redis_server: RedisServer, logdir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text(KEYS)
+    grpc_port = free_port()
+    stack = Stack(redis_server.url, TEST_MODELS, logdir, extra_env={
+        "CONVEYOR_API_KEYS_FILE": str(keys), "CONVEYOR_MODELS": "echo",
+        "CONVEYOR_GRPC_PORT": str(grpc_port)})
+    stack.add_api()
+    yield stack, grpc_port
+    stack.stop()
+
+
+def test_the_api_refuses_http_without_a_key_infer_hot_path_included(
+        api: tuple[Stack, int]) -> None:
+    url = api[0].url
+    for response in (httpx.get(f"{url}/v2"), httpx.get(f"{url}/v2", headers=bearer("wrong")),
+                     httpx.post(f"{url}/v2/models/echo/infer", content=b"{}"),
+                     httpx.post(f"{url}/v2/repository/models/echo/unload"),
+                     httpx.get(f"{url}/v1/jobs/0123"), httpx.get(f"{url}/v2/nothing/here")):
+        assert response.status_code == 401, response.text
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert "error" in response.json()
+    assert httpx.get(f"{url}/v2/health/live").status_code == 200
+
+
+def test_the_api_lets_keys_reach_what_their_scopes_cover(api: tuple[Stack, int]) -> None:
+    url = api[0].url
+    assert httpx.get(f"{url}/v2", headers=bearer("inf-key")).status_code == 200
+    assert httpx.get(f"{url}/v2/models/echo", headers=bearer("adm-key")).status_code == 200
+    assert httpx.get(f"{url}/docs", headers=bearer("inf-key")).status_code == 200
+    assert httpx.get(f"{url}/v2/models/echo", headers=bearer("job-key")).status_code == 403
+    assert httpx.post(f"{url}/v2/repository/models/echo/unload",
+                      headers=bearer("inf-key")).status_code == 403
+    assert httpx.get(f"{url}/v2/nothing/here", headers=bearer("job-key")).status_code == 404
+
+
+def test_the_api_grpc_endpoint_has_the_interceptor(api: tuple[Stack, int]) -> None:
+    got = asyncio.run(raw_calls(f"127.0.0.1:{api[1]}", [
+        ("unary", "ServerMetadata", None), ("unary", "RepositoryModelLoad", "Bearer inf-key"),
+        ("stream", "ModelStreamInfer", "Bearer job-key"), ("unary", "ServerLive", None)]))
+    assert got[:3] == [DENIED, FORBIDDEN, FORBIDDEN]
+    assert isinstance(got[3], bytes)  # open: a ServerLiveResponse, serialized
