@@ -109,8 +109,8 @@ def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> Inf
         return parse_header(body, memoryview(b""), config)
     length = content_length(header_length)
     if length is None:
-        raise InvalidInput("Inference-Header-Content-Length must be a non-negative integer "
-                           f"(ASCII digits), got {header_length.decode('latin-1')!r}")
+        raise InvalidInput("Inference-Header-Content-Length must be an integer of ASCII "
+                           f"digits, got {header_length.decode('latin-1')!r}")
     if length == 0:
         tensor = raw_input(body, config)
         rows = check_inputs(config, [(tensor.name, tensor.datatype, tensor.shape)])

@@ -95,7 +95,7 @@ def test_inference_header_content_length_takes_ascii_digits_only(value: str) -> 
     status, answer = infer(x([1.0, 2.0, 3.0, 4.0]),
                            headers={"Inference-Header-Content-Length": value})
     assert status == 400
-    assert "Inference-Header-Content-Length must be a non-negative integer" in answer["error"]
+    assert "Inference-Header-Content-Length must be an integer of ASCII digits" in answer["error"]
 
 
 def test_a_bad_element_is_named_by_its_input() -> None:
