@@ -253,12 +253,16 @@ def limited_api(redis_server: RedisServer, logdir: Path) -> Iterator[int]:
 
 
 def test_connections_beyond_the_limit_are_closed_at_once(limited_api: int) -> None:
+    time.sleep(0.5)  # earlier connections (the fixture's probes) are gone by now
     held = [connect(limited_api) for _ in range(MAX_CONNECTIONS)]
     try:
+        for sock in held:  # each is open and served, so each holds a slot
+            sock.sendall(LIVE)
+            assert read_response(sock).startswith(b"HTTP/1.1 200")
         extra = connect(limited_api)
         with extra:
             wait_for(lambda: closed(extra), 5, "the connection over the limit to be closed")
-        held[0].sendall(LIVE)  # those within the limit are served
+        held[0].sendall(LIVE)  # those within the limit are still served
         assert read_response(held[0]).startswith(b"HTTP/1.1 200")
     finally:
         for sock in held:
