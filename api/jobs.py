@@ -43,6 +43,7 @@ from batching.jobs import (
     WAKE,
     JobRecord,
     JobState,
+    as_text,
     join_chunks,
     pack_tensors,
     unpack_tensors,
@@ -147,7 +148,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
                                   else principal.digest)
         redis = service.dispatcher.redis
         with _redis_guard():
-            ids = [i.decode() for i in await redis.zrevrange(listed, offset, offset + limit - 1)]
+            ids = [as_text(i) for i in await redis.zrevrange(listed, offset, offset + limit - 1)]
             pipe = redis.pipeline(transaction=False)
             for job_id in ids:
                 pipe.hgetall(keys.job(job_id))

@@ -9,6 +9,7 @@ chunks through the model's streams, like any request, and stores their outputs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -84,8 +85,8 @@ class JobRecord:
         }
 
     @classmethod
-    def from_hash(cls, job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
-        text = {k.decode(): v.decode() for k, v in raw.items()}
+    def from_hash(cls, job_id: str, raw: Mapping[bytes | str, bytes | str]) -> JobRecord:
+        text = {as_text(k): as_text(v) for k, v in raw.items()}
         return cls(
             id=job_id, model=text["model"], state=JobState(text["state"]),
             total=int(text["total"]), priority=int(text["priority"]),
@@ -108,6 +109,11 @@ class JobRecord:
         if self.error:
             body["error"] = self.error
         return body
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text (bytes from a client without ``decode_responses``)."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def iso_time(ts: float) -> str | None:

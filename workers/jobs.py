@@ -34,7 +34,15 @@ from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
 
 from batching.callbacks import AllowList, CallbackRefused, Resolver, Target, check_callback, resolve
-from batching.jobs import CALLBACK_TASK, FINISHED, JOB_QUEUE, JOB_TASK, JobRecord, JobState
+from batching.jobs import (
+    CALLBACK_TASK,
+    FINISHED,
+    JOB_QUEUE,
+    JOB_TASK,
+    JobRecord,
+    JobState,
+    as_text,
+)
 from batching.keys import Keys
 from batching.settings import Settings
 from workers.job_runner import REDIS_ERRORS, JobRunner
@@ -247,7 +255,7 @@ class JobReaper(bootsteps.StartStopStep):
 
 def reap(ctx: JobContext, app: Any) -> None:
     """Resend every RUNNING job with no lease; forget finished or expired ones."""
-    active = sorted(m.decode() for m in ctx.redis.smembers(ctx.keys.jobs_active()))
+    active = sorted(as_text(m) for m in ctx.redis.smembers(ctx.keys.jobs_active()))
     if not active:
         return
     pipe = ctx.redis.pipeline(transaction=False)
