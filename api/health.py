@@ -34,15 +34,23 @@ class ModelWorkers:
     alive: int = 0
     """Processes that will serve (loading, ready, restarting) seen within SERVED_WITHIN_S."""
     states: list[dict[str, Any]] = field(default_factory=list)
+    failed: int = 0
+    """Fresh heartbeats of slots their supervisor marked failed (the model did not load)."""
+    failed_at: float = 0.0
+    """Epoch seconds when the newest of them failed."""
+    reason: str = ""
+    """Why the newest of them failed, as its supervisor reported it."""
 
 
 class WorkerWatch:
     def __init__(self, dispatcher: Dispatcher, keys: Keys, models: Collection[str],
-                 interval_s: float, stale_s: float) -> None:
-        """``models`` is read live (the API's registry): loads and unloads show up here."""
+                 interval_s: float, stale_s: float, broken: Collection[str] = ()) -> None:
+        """``models`` is read live (the API's registry): loads and unloads show up here.
+        ``broken``, read live too, holds the model folders whose configuration failed."""
         self._dispatcher = dispatcher
         self._keys = keys
         self._models = models
+        self._broken = broken
         self._interval_s = interval_s
         self._stale_s = stale_s
         self.view: dict[str, ModelWorkers] = {m: ModelWorkers() for m in models}
@@ -69,8 +77,21 @@ class WorkerWatch:
             return True
         return time.monotonic() - self._served_at.get(model, -SERVED_WITHIN_S) < SERVED_WITHIN_S
 
+    def failure(self, model: str) -> tuple[float, str] | None:
+        """(when, why) a worker reported the model failed to load, while no process of it
+        is ready; None otherwise."""
+        workers = self.view.get(model, ModelWorkers())
+        if workers.ready or not workers.failed:
+            return None
+        return workers.failed_at, workers.reason
+
     def server_ready(self) -> bool:
-        return bool(self._models) and all(self.model_ready(m) for m in self._models)
+        """Triton's ``--strict-readiness=false``: Redis answers, the repository holds a
+        model, and every loaded model is ready or has explicitly failed (its configuration
+        is invalid, or its worker reported that it failed to load)."""
+        return (self._dispatcher.redis_ok and bool(self._models or self._broken)
+                and all(self.model_ready(m) or self.failure(m) is not None
+                        for m in self._models))
 
     async def _run(self) -> None:
         while True:
@@ -103,6 +124,12 @@ class WorkerWatch:
                 if age <= self._stale_s:
                     workers.ready += state.get("state") == "ready"
                     workers.states.append(state)
+                    if state.get("state") == "failed":
+                        workers.failed += 1
+                        since = float(state.get("since", 0))
+                        if since >= workers.failed_at:
+                            workers.failed_at = since
+                            workers.reason = str(state.get("reason") or "it failed to load")
             self.view[model] = workers
             if workers.alive:
                 self._served_at[model] = time.monotonic()

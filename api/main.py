@@ -24,7 +24,7 @@ from api.repository import Repository
 from api.routes import VERSION, add_routes
 from api.service import InferenceService
 from batching.keys import Keys
-from batching.repository import load_repository
+from batching.repository import scan_repository
 from batching.settings import Settings
 
 log = logging.getLogger("conveyor.api")
@@ -33,14 +33,16 @@ log = logging.getLogger("conveyor.api")
 def create_app(settings: Settings | None = None) -> ASGIApp:
     settings = settings or Settings()
     keys = Keys(settings.key_prefix)
-    models = load_repository(settings.model_repository, settings.model_filter() or None)
+    scan = scan_repository(settings.model_repository, settings.model_filter() or None)
+    models = scan.models
     dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6)
     watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
-                        settings.heartbeat_stale_s)
+                        settings.heartbeat_stale_s, broken=scan.failed)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
-                               BodyLimits.from_settings(settings))
+                               BodyLimits.from_settings(settings), broken=scan.failed)
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
-                            service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s)
+                            service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
+                            failed=scan.failed, control=settings.model_control == "explicit")
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
     grpc_endpoint = GrpcEndpoint(service, repository, settings, [AuthInterceptor(guard)])
 

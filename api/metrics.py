@@ -56,6 +56,8 @@ WORKER_GAUGES = (
 )
 """Per-process figures from heartbeats, labelled by model and consumer."""
 """Counters the workers keep in each model's stats hash, exposed here per model."""
+MODEL_STATES = ("READY", "LOADING", "UNAVAILABLE")
+"""Values of the ``state`` label of ``conveyor_model_state`` (Triton's repository states)."""
 
 
 class _SharedState(Collector):
@@ -65,8 +67,10 @@ class _SharedState(Collector):
         self.depth: dict[tuple[str, str], int] = {}
         self.totals: dict[str, dict[str, int]] = {}
         self.beats: dict[str, list[dict[str, Any]]] = {}
+        self.model_states: dict[str, str] = {}
 
     def collect(self) -> Iterator[Metric]:
+        yield self._model_states()
         depth = GaugeMetricFamily(
             "conveyor_queue_depth", "Entries in a model's request stream of one priority "
             "(waiting or being executed), read from Redis at scrape time",
@@ -81,6 +85,16 @@ class _SharedState(Collector):
             yield family
         yield from self._decisions()
         yield from self._gauges()
+
+    def _model_states(self) -> Metric:
+        """One series per model folder and state: 1 for the state it is in, 0 otherwise."""
+        family = GaugeMetricFamily(
+            "conveyor_model_state", "Each model folder's repository state (READY, LOADING, "
+            "UNAVAILABLE): 1 for the state it is in", labels=["model", "state"])
+        for model, current in sorted(self.model_states.items()):
+            for state in MODEL_STATES:
+                family.add_metric([model, state], float(state == current))
+        return family
 
     def _decisions(self) -> Iterator[Metric]:
         """Why batches were dispatched, how long they waited and how long they ran."""
@@ -198,6 +212,10 @@ class ApiMetrics:
                 model, self.duration.labels(model), self.queue.labels(model),
                 self.batch_size.labels(model), self.requests)
         return series
+
+    def set_model_states(self, states: Mapping[str, str]) -> None:
+        """Every model folder's repository state, as the index reports it."""
+        self._shared.model_states = dict(states)
 
     async def refresh(self, redis: Redis, keys: Keys, models: Mapping[str, ModelConfig],
                       beats: Mapping[str, list[dict[str, Any]]]) -> None:

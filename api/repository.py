@@ -6,7 +6,12 @@ load re-reads the model's folder, adds it to this process's registry and marks i
 an unload marks it unloaded and drops it from the registry, so new requests for it get
 404 while requests already in flight keep waiting for their replies (the workers drain
 them before they stop the model's processes). Every API process polls the hash, so the
-others follow within one interval; the workers follow the same hash.
+others follow within one interval; the workers follow the same hash. Load and unload
+over HTTP and gRPC need ``model_control = "explicit"``; the hash itself is followed in
+either mode (``conveyor models`` writes it too).
+
+A model whose configuration fails stays in ``failed`` with the reason, and the index
+shows it UNAVAILABLE; every other model serves.
 """
 
 from __future__ import annotations
@@ -22,36 +27,57 @@ from redis.exceptions import RedisError
 
 from api.dispatch import Dispatcher
 from api.health import WorkerWatch
-from batching.config import ConfigError, ModelConfig
-from batching.errors import InvalidInput, ModelNotFound, Unavailable
+from batching.config import ModelConfig
+from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
 from batching.keys import Keys
-from batching.repository import artifact_backend, load_model_config
+from batching.names import model_folder, require_folder, unknown_model
+from batching.repository import (
+    failure_reason,
+    is_model_folder,
+    load_model_config,
+    model_folders,
+    record_value,
+    stale_entries,
+    status_table,
+)
 
 log = logging.getLogger(__name__)
 
 LOAD_READY_TIMEOUT_S = 120.0
 """How long a load waits for a worker to report the model ready before answering 503."""
 READY_POLL_S = 0.1
+CONTROL_DISABLED = ("explicit model load / unload is not allowed: model control mode is "
+                    "'none' (set CONVEYOR_MODEL_CONTROL=explicit)")
 
 
 class Repository:
     def __init__(self, root: Path, only: set[str] | None, models: dict[str, ModelConfig],
                  unloaded: set[str], dispatcher: Dispatcher, watch: WorkerWatch, keys: Keys,
-                 interval_s: float) -> None:
+                 interval_s: float, failed: dict[str, str] | None = None,
+                 control: bool = False) -> None:
+        """``failed`` (model -> reason) is shared with the service and the worker watch;
+        ``control`` allows load and unload over the API."""
         self.root = root
         self._only = only
         self._models = models
         self._unloaded = unloaded
+        self._failed = failed if failed is not None else {}
         self._dispatcher = dispatcher
         self._watch = watch
         self._keys = keys
         self._interval_s = interval_s
+        self._control = control
         self._seen: dict[str, bytes] = {}
         """The hash value last applied per model: only changes are acted on."""
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        await self.drop_stale()
         await self.sync()
+        rows = [(name, "LOADED") for name in self._models]
+        rows += [(name, "UNLOADED") for name in self._unloaded if name not in self._models]
+        rows += [(name, f"UNAVAILABLE: {reason}") for name, reason in self._failed.items()]
+        log.info("model repository %s:\n%s", self.root, status_table(sorted(rows)))
         self._task = asyncio.create_task(self._run(), name="conveyor-repository-watch")
 
     async def close(self) -> None:
@@ -64,29 +90,45 @@ class Repository:
             await asyncio.sleep(self._interval_s)
             await self.sync()
 
+    async def drop_stale(self) -> None:
+        """Forget recorded loads and unloads of models whose folder is gone."""
+        try:
+            redis = self._dispatcher.redis
+            names = [_text(n) for n in await redis.hkeys(self._keys.repository())]
+            stale = stale_entries(self.root, names)
+            if stale:
+                await redis.hdel(self._keys.repository(), *stale)
+                log.warning("dropped the recorded state of models no longer in the "
+                            "repository: %s", stale)
+        except (RedisError, OSError) as exc:
+            log.warning("could not check the recorded repository state: %s", exc)
+
     async def sync(self) -> None:
         """Apply loads and unloads that any API process recorded in the hash."""
         try:
-            states: dict[bytes, bytes] = await self._dispatcher.redis.hgetall(
-                self._keys.repository())
+            states = await self._dispatcher.redis.hgetall(self._keys.repository())
         except (RedisError, OSError) as exc:
             log.debug("repository refresh failed: %s", exc)
             return
-        for raw_name, value in states.items():
-            name = raw_name.decode()
+        for raw_name, raw_value in states.items():
+            name, value = _text(raw_name), _bytes(raw_value)
             if self._seen.get(name) == value or not self._serves(name):
                 continue
             if _ts(value) < _ts(self._seen.get(name)):
                 continue  # read before a change this process made meanwhile: stale
             self._seen[name] = value
+            folder = model_folder(self.root, name)
+            if folder is None:
+                continue  # not a model of this repository: nothing to apply
             state = orjson.loads(value).get("state")
             if state == "unloaded":
                 self._drop(name)
             elif state == "loaded":
                 try:
-                    self._add(name, await asyncio.to_thread(load_model_config, self.root / name))
-                except (ConfigError, OSError, ValueError) as exc:
-                    log.error("cannot load %s: %s", name, exc)
+                    self._add(name, await asyncio.to_thread(load_model_config, folder))
+                except Exception as exc:  # one model's config never stops the others
+                    self._failed[name] = failure_reason(folder, exc)
+                    log.error("cannot load %s: %s", name, self._failed[name])
 
     def _serves(self, name: str) -> bool:
         return not self._only or name in self._only
@@ -94,34 +136,52 @@ class Repository:
     def _add(self, name: str, config: ModelConfig) -> None:
         self._models[name] = config
         self._unloaded.discard(name)
+        self._failed.pop(name, None)
         log.info("model %s loaded", name)
 
     def _drop(self, name: str) -> None:
         self._models.pop(name, None)
+        self._failed.pop(name, None)
         self._unloaded.add(name)
         log.info("model %s unloaded", name)
 
-    async def _record(self, name: str, state: str) -> None:
-        value = orjson.dumps({"state": state, "ts": time.time()})
+    async def _record(self, name: str, state: str) -> float:
+        at = time.time()
+        value = record_value(state, at)
         try:
             await self._dispatcher.redis.hset(self._keys.repository(), name, value)
         except (RedisError, OSError) as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         self._seen[name] = value
+        return at
+
+    def _folder(self, name: str) -> Path:
+        """The model's folder, after the control and name checks every request passes."""
+        if not self._control:
+            raise ModelControlDisabled(CONTROL_DISABLED)
+        folder = require_folder(self.root, name)
+        if not self._serves(name):
+            raise unknown_model(name)
+        return folder
 
     async def load(self, name: str) -> None:
-        """Read the model's folder again, mark it loaded, and wait until a worker serves it."""
-        folder = self.root / name
-        if not self._serves(name) or not _is_model(folder):
-            raise ModelNotFound(f"no model {name!r} in the repository")
+        """Read the model's folder again, mark it loaded, and wait until a worker serves
+        it, or reports that it failed to load."""
+        folder = self._folder(name)
+        if not is_model_folder(folder):
+            raise unknown_model(name)
         try:
             config = await asyncio.to_thread(load_model_config, folder)
-        except (ConfigError, OSError, ValueError) as exc:
-            raise InvalidInput(f"failed to load {name!r}: {exc}") from None
-        await self._record(name, "loaded")
+        except Exception as exc:  # the config's fault, reported to the caller
+            self._failed[name] = failure_reason(folder, exc)
+            raise InvalidInput(f"load failed for model {name!r}: {self._failed[name]}") from None
+        recorded = await self._record(name, "loaded")
         self._add(name, config)
         deadline = time.monotonic() + LOAD_READY_TIMEOUT_S
         while not self._watch.model_ready(name):
+            failure = self._watch.failure(name)
+            if failure is not None and failure[0] > recorded:
+                raise InvalidInput(f"load failed for model {name!r}: {failure[1]}")
             if time.monotonic() > deadline:
                 raise Unavailable(f"model {name!r} is loaded but no worker reported it ready "
                                   f"within {LOAD_READY_TIMEOUT_S:.0f} s")
@@ -130,18 +190,18 @@ class Repository:
 
     async def unload(self, name: str) -> None:
         """Stop accepting requests for ``name``; in-flight ones finish."""
-        if name not in self._models:
+        self._folder(name)
+        if name not in self._models and name not in self._failed:
             if name in self._unloaded:
                 return
-            raise ModelNotFound(f"unknown model {name!r}")
+            raise unknown_model(name)
         await self._record(name, "unloaded")
         self._drop(name)
 
     async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Every model folder with Triton's state (READY, LOADING, UNAVAILABLE) and reason."""
         entries = []
-        folders = sorted(p for p in self.root.iterdir() if _is_model(p)) if self.root.is_dir() else []
-        for folder in folders:
+        for folder in await asyncio.to_thread(model_folders, self.root):
             name = folder.name
             if not self._serves(name):
                 continue
@@ -158,6 +218,9 @@ class Repository:
         if name in self._models:
             if self._watch.model_ready(name):
                 return "READY", ""
+            failure = self._watch.failure(name)
+            if failure is not None:
+                return "UNAVAILABLE", failure[1]
             if self._watch.model_served(name):
                 return "LOADING", "its worker processes are loading it"
             return "UNAVAILABLE", "no worker serves it"
@@ -165,14 +228,17 @@ class Repository:
             return "UNAVAILABLE", "unloaded"
         try:
             await asyncio.to_thread(load_model_config, folder)
-        except (ConfigError, OSError, ValueError) as exc:
-            return "UNAVAILABLE", f"invalid configuration: {exc}"
+        except Exception as exc:  # reported in the index, never raised from it
+            return "UNAVAILABLE", failure_reason(folder, exc)
         return "UNAVAILABLE", "not loaded"
 
 
-def _is_model(folder: Path) -> bool:
-    return (folder.is_dir() and not folder.name.startswith(".")
-            and (artifact_backend(folder) is not None or (folder / "config.yaml").exists()))
+def _text(raw: bytes | str) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def _bytes(raw: bytes | str) -> bytes:
+    return raw if isinstance(raw, bytes) else raw.encode()
 
 
 def _ts(value: bytes | None) -> float:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from api.kserve import json_object
 from api.repository import Repository
@@ -69,6 +71,18 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
     async def conveyor_error(_: Request, exc: ConveyorError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Unknown paths (404), wrong methods (405) and the like: ``{"error": ...}`` too."""
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
+                             for e in exc.errors())
+        return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
+
     @app.get("/v2")
     async def get_server_metadata() -> dict[str, Any]:
         return server_metadata()
@@ -96,7 +110,9 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
     async def model_ready(model: str, version: str = "") -> JSONResponse:
         service.model(model, version)
         if not service.watch.model_ready(model):
-            return error_response(Unavailable(f"model {model!r} has no ready worker"))
+            failure = service.watch.failure(model)
+            why = f"failed to load: {failure[1]}" if failure else "has no ready worker"
+            return error_response(Unavailable(f"model {model!r} {why}"))
         return JSONResponse({"name": model, "ready": True})
 
     @app.get("/v2/models/{model}/config")
@@ -129,6 +145,7 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        service.metrics.set_model_states({e["name"]: e["state"] for e in await repository.index()})
         await service.metrics.refresh(service.dispatcher.redis, service.keys, service.models,
                                       {m: w.states for m, w in service.watch.view.items()})
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

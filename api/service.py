@@ -16,6 +16,7 @@ from batching.config import ModelConfig
 from batching.envelope import Reply, Request
 from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
 from batching.keys import Keys
+from batching.names import unknown_model, valid_name
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,18 @@ class InferenceService:
     """Request body limits, and the places for large bodies this process shares out."""
     unloaded: set[str] = field(default_factory=set)
     """Models unloaded through the repository API (kept in step by api.repository)."""
+    broken: dict[str, str] = field(default_factory=dict)
+    """Model folders whose configuration failed, with the reason (api.repository too)."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
-        config = self.models.get(name)
+        config = self.models.get(name) if valid_name(name) else None
         if config is None:
             if name in self.unloaded:
                 raise ModelNotFound(f"model {name!r} is unloaded")
-            raise ModelNotFound(f"unknown model {name!r}")
+            if name in self.broken:
+                raise ModelNotFound(f"model {name!r} is unavailable: {self.broken[name]}")
+            raise unknown_model(name)
         if version not in ("", "1"):
             raise ModelNotFound(f"model {name!r} has no version {version!r} (only \"1\")")
         return config

@@ -3,10 +3,12 @@
 Processes start with ``spawn``. The supervisor replaces a process that dies, and kills
 (SIGTERM, then SIGKILL after a grace) one whose batch outlives ``execution_timeout_s``
 or whose heartbeat stopped. Replacements back off exponentially; a model that never
-gets to ready ``MAX_LOAD_FAILURES`` times in a row is marked ``failed`` and retried
-slowly. The Celery main process never exits because a model failed, so a broken model
-cannot crash-loop the pod. Repository load/unload requests (a Redis hash) start and stop
-a model's processes.
+gets to ready ``MAX_LOAD_FAILURES`` times in a row, or whose loading raised (an
+exception in ``model.py``'s import or ``__init__``, a bad artifact), is marked ``failed``
+and retried slowly; its heartbeat then carries the reason. The Celery main process never
+exits because a model failed, so a broken model cannot crash-loop the pod. Repository
+load/unload requests (a Redis hash) start and stop a model's processes; a name there that
+is not a model folder of this worker's repository is ignored.
 """
 
 from __future__ import annotations
@@ -19,14 +21,24 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import redis
 
 from batching.config import ModelConfig
 from batching.keys import Keys
-from batching.repository import load_model_config, load_repository
+from batching.names import model_folder
+from batching.repository import (
+    failure_reason,
+    load_model_config,
+    scan_repository,
+    scan_states,
+    stale_entries,
+    status_table,
+)
 from batching.resp import RespError
 from batching.settings import Settings
 from workers.process import serve
@@ -45,6 +57,8 @@ KILL_GRACE_S = 2.0
 STARTUP_SILENCE_S = 60.0
 """How long a process that has not loaded yet may go without a heartbeat."""
 STOP_GRACE_S = 20.0
+REASON_BYTES = 512
+"""Room for the one line an inference process reports when loading its model raised."""
 TICK_S = 0.2
 REDIS_ERRORS = (redis.RedisError, OSError)
 
@@ -66,6 +80,12 @@ class Slot:
     backoff_s: float = BACKOFF_START_S
     next_start: float = 0.0
     failed: bool = False
+    failed_at: float = 0.0
+    """Epoch seconds when the slot was marked failed."""
+    reason: str = ""
+    """Why it failed, published in its heartbeat."""
+    failure: Any = None
+    """The shared buffer its process writes a load failure into."""
     retired: bool = False
 
     @property
@@ -82,9 +102,15 @@ class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        self.models: dict[str, ModelConfig] = load_repository(
-            settings.model_repository, settings.model_filter() or None)
+        scan = scan_repository(settings.model_repository, settings.model_filter() or None)
+        log.info("model repository %s:\n%s", settings.model_repository,
+                 status_table(scan_states(scan)))
+        self.models: dict[str, ModelConfig] = scan.models
         self.slots: list[Slot] = []
+        self._applied: dict[str, bytes | str] = {}
+        """The repository hash value last acted on per model."""
+        self._refused: dict[str, str] = {}
+        """Why a recorded name was not loaded (logged once per reason)."""
         self._ctx = multiprocessing.get_context("spawn")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="conveyor-supervisor",
@@ -94,6 +120,7 @@ class Supervisor:
         self._next_beat = 0.0
 
     def start(self) -> None:
+        self._drop_stale()
         for config in self.models.values():
             self._add_slots(config)
         log.info("supervising %d inference processes for %s", len(self.slots),
@@ -116,15 +143,32 @@ class Supervisor:
             for slot in self.slots:
                 self._redis.hdel(self.keys.workers(slot.model), slot.name)
 
+    def _drop_stale(self) -> None:
+        """Forget recorded loads and unloads of models whose folder is gone."""
+        try:
+            names = [_text(n) for n in self._redis.hkeys(self.keys.repository())]
+            stale = stale_entries(self.settings.model_repository, names)
+            if stale:
+                self._redis.hdel(self.keys.repository(), *stale)
+                log.warning("dropped the recorded state of models no longer in the "
+                            "repository: %s", stale)
+        except REDIS_ERRORS as exc:
+            log.warning("could not check the recorded repository state: %s", exc)
+
     def _add_slots(self, config: ModelConfig) -> None:
+        """The model's slots; none when it has slots already (a load is idempotent)."""
+        if any(s.model == config.name and not s.retired for s in self.slots):
+            return
         for group in config.instances:
             for i in range(group.count):
                 self.slots.append(Slot(config.name, group.device, i, config.execution_timeout_s))
 
     def _spawn(self, slot: Slot) -> None:
         slot.shared = SharedState(self._ctx)
+        slot.failure = self._ctx.Array("c", REASON_BYTES)
         process = self._ctx.Process(target=serve,
-                                    args=(slot.model, slot.device, slot.index, slot.shared),
+                                    args=(slot.model, slot.device, slot.index, slot.shared,
+                                          slot.failure),
                                     name=f"conveyor-{slot.model}-{slot.index}", daemon=False)
         process.start()
         slot.process, slot.started, slot.kill_at = process, time.monotonic(), 0.0
@@ -146,7 +190,7 @@ class Supervisor:
             self._on_exit(slot, process, now)
         elif process is not None and slot.shared is not None:
             if slot.shared.state == ProcState.READY:
-                slot.load_failures = 0
+                slot.load_failures, slot.failed, slot.reason = 0, False, ""
             reason = self._hung(slot, now)
             if reason and not slot.kill_at:
                 log.error("killing inference process %s for %s: %s", process.pid, slot.model,
@@ -180,11 +224,17 @@ class Supervisor:
         if lived >= HEALTHY_AFTER_S:
             slot.backoff_s = BACKOFF_START_S
         slot.load_failures = 0 if was_ready else slot.load_failures + 1
-        slot.failed = slot.load_failures >= MAX_LOAD_FAILURES
+        raised = slot.failure.value.decode(errors="replace") if slot.failure is not None else ""
+        if raised or slot.load_failures >= MAX_LOAD_FAILURES:
+            slot.failed, slot.failed_at = True, time.time()
+            slot.reason = raised or (f"{slot.model}: its process exited (code "
+                                     f"{process.exitcode}) before it was ready, "
+                                     f"{slot.load_failures} times in a row")
         delay = FAILED_RETRY_S if slot.failed else slot.backoff_s
         log.error("inference process %s for %s exited (code %s) after %.1fs; %s, restarting "
                   "in %.1fs", process.pid, slot.model, process.exitcode, lived,
-                  "model marked failed" if slot.failed else "replacing it", delay)
+                  f"model marked failed: {slot.reason}" if slot.failed else "replacing it",
+                  delay)
         slot.restarts += 1
         slot.next_start = now + delay
         slot.backoff_s = min(slot.backoff_s * 2, BACKOFF_MAX_S)
@@ -198,22 +248,27 @@ class Supervisor:
     @staticmethod
     def _slot_beat(slot: Slot) -> str:
         state = "failed" if slot.failed else "restarting" if slot.restarts else "loading"
-        return json.dumps({"state": state, "model": slot.model, "device": slot.device,
-                           "restarts": slot.restarts, "ts": time.time()})
+        beat = {"state": state, "model": slot.model, "device": slot.device,
+                "restarts": slot.restarts, "ts": time.time()}
+        if slot.failed:
+            beat.update(reason=slot.reason, since=slot.failed_at)
+        return json.dumps(beat)
 
     def _forget(self, slot: Slot, process: BaseProcess) -> None:
         """Remove the dead process's heartbeat so its entries are claimed at once."""
         try:
             beats = self._redis.hgetall(self.keys.workers(slot.model))
-            dead = [c for c in beats if c.decode().split(":")[1] == str(process.pid)]
+            dead = [c for c in beats if _text(c).split(":")[1] == str(process.pid)]
             if dead:
                 self._redis.hdel(self.keys.workers(slot.model), *dead)
         except REDIS_ERRORS as exc:
             log.warning("could not clear heartbeat of %s: %s", process.pid, exc)
 
     def _sync_with_redis(self) -> None:
-        """Announce slots that have no ready process, and apply repository load/unload."""
+        """Apply repository load/unload, then announce slots that have no ready process
+        (in this order: a failed slot that a new load retries never beats failed again)."""
         try:
+            self._apply_repository(self._redis.hgetall(self.keys.repository()))
             pipe = self._redis.pipeline(transaction=False)
             for slot in self.slots:
                 key = self.keys.workers(slot.model)
@@ -222,13 +277,18 @@ class Supervisor:
                 else:
                     pipe.hset(key, slot.name, self._slot_beat(slot))
             pipe.execute()
-            self._apply_repository(self._redis.hgetall(self.keys.repository()))
         except REDIS_ERRORS as exc:
             log.debug("Redis unreachable from the supervisor: %s", exc)
 
-    def _apply_repository(self, states: dict[bytes, bytes]) -> None:
-        wanted = {m.decode(): json.loads(v).get("state") for m, v in states.items()}
-        for model, state in wanted.items():
+    def _apply_repository(self, states: Mapping[bytes | str, bytes | str]) -> None:
+        for raw_name, raw in states.items():
+            model = _text(raw_name)
+            if model_folder(self.settings.model_repository, model) is None:
+                self._refuse(model, "not a model folder of this repository")
+                continue
+            changed = self._applied.get(model) != raw
+            self._applied[model] = raw
+            state = json.loads(raw).get("state")
             slots = [s for s in self.slots if s.model == model]
             if state == "unloaded" and any(not s.retired for s in slots):
                 log.info("unloading %s", model)
@@ -238,6 +298,14 @@ class Supervisor:
                                  args=(model, [s.process for s in slots if s.process])).start()
             elif state == "loaded" and (not slots or all(s.retired for s in slots)):
                 self._load(model, slots)
+            elif state == "loaded" and changed:
+                _retry_failed(slots)
+
+    def _refuse(self, model: str, reason: str) -> None:
+        """Log, once per reason, why a recorded model is not served."""
+        if self._refused.get(model) != reason:
+            self._refused[model] = reason
+            log.error("not loading %r: %s", model[:200], reason)
 
     def _unload(self, model: str, processes: list[BaseProcess]) -> None:
         """Stop the model's processes, then answer what they left unread."""
@@ -255,15 +323,29 @@ class Supervisor:
         folder = self.settings.model_repository / model
         try:
             config = load_model_config(folder)
-        except (ValueError, OSError) as exc:
-            log.error("cannot load %s: %s", model, exc)
+        except Exception as exc:  # one model's config never stops the others
+            self._refuse(model, failure_reason(folder, exc))
             return
+        self._refused.pop(model, None)
         if any(s.process is not None for s in old):
             return  # still draining from the unload; load on a later tick
         self.slots = [s for s in self.slots if s.model != model]
         self.models[model] = config
         self._add_slots(config)
         log.info("loaded %s", model)
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def _retry_failed(slots: list[Slot]) -> None:
+    """A new load of a model whose slots failed starts them again now."""
+    for slot in slots:
+        if slot.failed and slot.process is None and not slot.retired:
+            slot.failed, slot.reason, slot.load_failures = False, "", 0
+            slot.backoff_s, slot.next_start = BACKOFF_START_S, 0.0
+            log.info("retrying %s on %s after a new load", slot.model, slot.device)
 
 
 def _stop_processes(processes: list[BaseProcess]) -> None:

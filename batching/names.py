@@ -1,0 +1,50 @@
+"""Model names: the one check every path that takes a name goes through.
+
+A model name is ``[A-Za-z0-9_.-]{1,128}``, never ``.`` or ``..`` and with no ``..`` in
+it, and it names a folder that lies inside the model repository once every symlink is
+resolved. Whatever fails (a bad name, a folder outside the repository, no folder at
+all) gets the same answer, :func:`unknown_model`, whose text holds no path: a client
+learns nothing about the server's file system from it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from batching.errors import ModelNotFound
+
+MAX_NAME_LENGTH = 128
+_NAME = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_NAME_LENGTH}}}")
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` may name a model (its folder is not checked)."""
+    return _NAME.fullmatch(name) is not None and ".." not in name and name != "."
+
+
+def unknown_model(name: str) -> ModelNotFound:
+    """The one answer for a name that is invalid, outside the repository or absent."""
+    shown = name if len(name) <= MAX_NAME_LENGTH else name[:MAX_NAME_LENGTH] + "..."
+    return ModelNotFound(f"unknown model {shown!r}")
+
+
+def model_folder(root: Path, name: str) -> Path | None:
+    """The folder of model ``name`` under ``root``, or None when the name is invalid, the
+    folder is absent, or it resolves (through symlinks) outside ``root``."""
+    if not valid_name(name):
+        return None
+    folder = root / name
+    try:
+        inside = folder.resolve().is_relative_to(root.resolve())
+        return folder if inside and folder.is_dir() else None
+    except OSError:
+        return None
+
+
+def require_folder(root: Path, name: str) -> Path:
+    """:func:`model_folder`, raising :func:`unknown_model` instead of returning None."""
+    folder = model_folder(root, name)
+    if folder is None:
+        raise unknown_model(name)
+    return folder

@@ -1,0 +1,251 @@
+"""One bad model, one bad name or a stale repository state never darkens the rest.
+
+Pure functions, one API process (HTTP and gRPC) per test against a real Redis, with
+heartbeats written by hand, and the supervisor's repository handling without spawning
+processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from api.proto import inference_pb2 as pb
+from api.proto import inference_pb2_grpc as pb_grpc
+from batching.keys import Keys
+from batching.names import model_folder, valid_name
+from batching.repository import scan_repository, scrub_paths, stale_entries, status_table
+from batching.settings import Settings
+from tests.conftest import TEST_MODELS
+from tests.procs import RedisServer, free_port, service_env, start_api, wait_for
+from workers.supervisor import Supervisor
+
+LONG = "a" * 300
+
+
+def test_names() -> None:
+    for good in ("digits", "a.b", "a-b_c.1", "x" * 128, "..a"[1:]):
+        assert valid_name(good), good
+    for bad in ("", ".", "..", "a..b", "../x", "/tmp/x", "a/b", "a b", "é", "x" * 129, LONG,
+                "a\x00b"):
+        assert not valid_name(bad), bad
+
+
+def test_model_folder_stays_inside_the_repository(tmp_path: Path) -> None:
+    root, outside = tmp_path / "repo", tmp_path / "outside"
+    (root / "good").mkdir(parents=True)
+    (outside / "evil").mkdir(parents=True)
+    (root / "escape").symlink_to(outside / "evil")
+    (root / "alias").symlink_to(root / "good")
+    assert model_folder(root, "good") == root / "good"
+    assert model_folder(root, "alias") == root / "alias"
+    for name in ("escape", "missing", "../outside/evil", str(outside / "evil"), LONG):
+        assert model_folder(root, name) is None, name
+
+
+def _repository(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    shutil.copytree(TEST_MODELS / "echo", root / "echo")
+    (root / "yaml_broken").mkdir()
+    (root / "yaml_broken" / "config.yaml").write_text("backend: python\nmax_batch_size: [1\n")
+    (root / "schema_broken").mkdir()
+    (root / "schema_broken" / "config.yaml").write_text("backend: python\nmax_batch_size: -3\n")
+    return root
+
+
+def test_scan_keeps_the_good_models_and_the_reasons_of_the_broken(tmp_path: Path) -> None:
+    root = _repository(tmp_path)
+    scan = scan_repository(root)
+    assert set(scan.models) == {"echo"}
+    assert set(scan.failed) == {"yaml_broken", "schema_broken"}
+    assert scan.failed["yaml_broken"].startswith("yaml_broken")
+    assert "max_batch_size" in scan.failed["schema_broken"]
+    assert str(tmp_path) not in " ".join(scan.failed.values())
+    table = status_table([("echo", "LOADED"), ("schema_broken", "UNAVAILABLE: bad")])
+    assert "| Model         | Version | Status           |" in table.splitlines()
+    assert stale_entries(root, ["echo", "gone", "../repo/echo", "schema_broken"]) == [
+        "../repo/echo", "gone"]
+
+
+def test_scrub_paths(tmp_path: Path) -> None:
+    text = f"[Errno 2] No such file: '{tmp_path}/m/w.bin' in /usr/lib/python3/x.py"
+    assert scrub_paths(text, tmp_path) == "[Errno 2] No such file: 'm/w.bin' in x.py"
+
+
+def _start(settings: Settings, logdir: Path) -> Iterator[httpx.Client]:
+    """An API process (uvicorn) with ``settings``' Redis, repository, prefix and ports."""
+    env = service_env(settings.redis_url, settings.model_repository, settings.key_prefix,
+                      CONVEYOR_GRPC_PORT=str(settings.grpc_port),
+                      CONVEYOR_HEARTBEAT_INTERVAL_S=str(settings.heartbeat_interval_s),
+                      CONVEYOR_MODEL_CONTROL=settings.model_control)
+    proc, url = start_api(env, logdir, f"api-{settings.key_prefix}")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            yield client
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def api(redis_server: RedisServer, tmp_path: Path,
+        logdir: Path) -> Iterator[tuple[httpx.Client, Settings]]:
+    settings = Settings(redis_url=redis_server.url, model_repository=_repository(tmp_path),
+                        key_prefix=f"mf{time.monotonic_ns()}", grpc_port=free_port(),
+                        heartbeat_interval_s=0.1, model_control="explicit")
+    keys = Keys(settings.key_prefix)
+    client = redis.Redis.from_url(settings.redis_url)
+    # Left from an earlier repository: a model that is gone, a path, and a real unload.
+    for name, state in (("gone", "loaded"), ("../x", "loaded"), ("schema_broken", "unloaded")):
+        client.hset(keys.repository(), name, json.dumps({"state": state, "ts": 1.0}))
+    for http in _start(settings, logdir):
+        yield http, settings
+
+
+def _beat(settings: Settings, model: str, state: str, **extra: object) -> None:
+    redis.Redis.from_url(settings.redis_url).hset(
+        Keys(settings.key_prefix).workers(model), f"h:1:{model}:cpu:0:slot",
+        json.dumps({"state": state, "model": model, "ts": time.time(), **extra}))
+
+
+def test_broken_configs_are_unavailable_and_the_rest_serves(api) -> None:
+    client, _ = api
+    index = {e["name"]: e for e in client.post("/v2/repository/index").json()}
+    assert index["yaml_broken"]["state"] == "UNAVAILABLE"
+    assert index["yaml_broken"]["reason"].startswith("yaml_broken")
+    assert index["schema_broken"] == {"name": "schema_broken", "version": "1",
+                                      "state": "UNAVAILABLE", "reason": "unloaded"}
+    assert client.get("/v2/models/echo").status_code == 200
+    answer = client.get("/v2/models/yaml_broken")
+    assert answer.status_code == 404 and "unavailable: yaml_broken" in answer.json()["error"]
+    metrics = client.get("/metrics").text
+    assert 'conveyor_model_state{model="yaml_broken",state="UNAVAILABLE"} 1.0' in metrics
+    assert 'conveyor_model_state{model="echo",state="READY"} 0.0' in metrics
+
+
+def test_stale_repository_state_is_dropped_at_start(api) -> None:
+    _, settings = api
+    recorded = redis.Redis.from_url(settings.redis_url).hkeys(
+        Keys(settings.key_prefix).repository())
+    assert sorted(recorded) == [b"schema_broken"]
+
+
+def test_bad_names_get_one_answer_on_every_path(api) -> None:
+    client, settings = api
+    outside = settings.model_repository.parent / "outside"
+    shutil.copytree(TEST_MODELS / "echo", outside / "evil")
+    (settings.model_repository / "escape").symlink_to(outside / "evil")
+    for name in ("missing", "escape", "a..b", LONG, "bad name"):
+        shown = name if len(name) <= 128 else name[:128] + "..."
+        expected = f"unknown model {shown!r}"
+        for method, path in (("post", "load"), ("post", "unload"), ("get", "ready"),
+                             ("get", "config"), ("get", "stats"), ("post", "infer")):
+            response = client.request(method, f"/v2/models/{name}/{path}" if method == "get"
+                                      or path == "infer" else
+                                      f"/v2/repository/models/{name}/{path}", json={})
+            assert response.status_code == 404, (name, path, response.text)
+            assert response.json() == {"error": expected}, (name, path)
+    with grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for name in ("/tmp/x/evil", "../repo/echo", str(outside / "evil"), LONG, "escape", ".."):
+            shown = name if len(name) <= 128 else name[:128] + "..."
+            calls = ((stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name=name)),
+                     (stub.RepositoryModelUnload,
+                      pb.RepositoryModelUnloadRequest(model_name=name)),
+                     (stub.ModelMetadata, pb.ModelMetadataRequest(name=name)),
+                     (stub.ModelConfig, pb.ModelConfigRequest(name=name)))
+            for method, request in calls:
+                with pytest.raises(grpc.RpcError) as caught:
+                    method(request, timeout=10)
+                assert caught.value.code() == grpc.StatusCode.NOT_FOUND, (name, caught.value)
+                assert caught.value.details() == f"unknown model {shown!r}"
+            ready = stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=10)
+            assert not ready.ready
+    names = [e["name"] for e in client.post("/v2/repository/index").json()]
+    assert "escape" not in names
+
+
+def test_unmatched_routes_answer_error(api) -> None:
+    client, _ = api
+    assert client.get("/nope").json() == {"error": "Not Found"}
+    response = client.get("/v2/repository/index")
+    assert response.status_code == 405 and response.json() == {"error": "Method Not Allowed"}
+
+
+def test_readiness_counts_failed_models_as_settled(api) -> None:
+    client, settings = api
+    assert client.get("/v2/health/ready").status_code == 503  # echo: no worker yet
+    _beat(settings, "echo", "failed", reason="echo: RuntimeError: boom", since=time.time())
+    wait_for(lambda: client.get("/v2/health/ready").status_code == 200, 5,
+             "readiness with echo failed")
+    ready = client.get("/v2/models/echo/ready")
+    assert ready.status_code == 503
+    assert ready.json() == {"error": "model 'echo' failed to load: echo: RuntimeError: boom"}
+    entry = [e for e in client.post("/v2/repository/index").json() if e["name"] == "echo"]
+    assert entry == [{"name": "echo", "version": "1", "state": "UNAVAILABLE",
+                      "reason": "echo: RuntimeError: boom"}]
+
+
+def test_load_answers_when_a_worker_reports_failure(api) -> None:
+    client, settings = api
+    _beat(settings, "echo", "failed", reason="echo: old failure", since=time.time() - 5)
+    answers: list[httpx.Response] = []
+    loading = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{client.base_url}/v2/repository/models/echo/load", timeout=30)))
+    started = time.monotonic()
+    loading.start()
+    time.sleep(1.0)
+    assert not answers, "a failure reported before the load is not its answer"
+    _beat(settings, "echo", "failed", reason="echo: RuntimeError: boom", since=time.time())
+    loading.join(10)
+    assert time.monotonic() - started < 5
+    assert answers[0].status_code == 400
+    assert answers[0].json() == {"error": "load failed for model 'echo': echo: RuntimeError: boom"}
+
+
+def test_control_mode_none_refuses_load_and_unload(redis_server: RedisServer,
+                                                   logdir: Path) -> None:
+    settings = Settings(redis_url=redis_server.url, model_repository=TEST_MODELS,
+                        key_prefix=f"mf{time.monotonic_ns()}", grpc_port=free_port(),
+                        model_control="none")
+    for client in _start(settings, logdir):
+        for action in ("load", "unload"):
+            response = client.post(f"/v2/repository/models/echo/{action}")
+            assert response.status_code == 503
+            assert "explicit model load / unload is not allowed" in response.json()["error"]
+        with grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="echo"),
+                                           timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_supervisor_ignores_bad_names_and_adds_slots_once(tmp_path: Path) -> None:
+    root = _repository(tmp_path)
+    outside = tmp_path / "outside"
+    shutil.copytree(TEST_MODELS / "echo", outside / "evil")
+    (root / "escape").symlink_to(outside / "evil")
+    os.environ.pop("CONVEYOR_MODELS", None)
+    supervisor = Supervisor(Settings(model_repository=root, redis_url="redis://127.0.0.1:1/0"))
+    assert sorted(supervisor.models) == ["echo"]
+    loaded = json.dumps({"state": "loaded", "ts": 1.0}).encode()
+    states = {name.encode(): loaded for name in (str(outside / "evil"), "../outside/evil",
+                                                  "escape", "echo", "yaml_broken", LONG)}
+    for _ in range(5):
+        supervisor._apply_repository(states)
+    assert [s.model for s in supervisor.slots] == ["echo"]
+    supervisor._add_slots(supervisor.models["echo"])
+    supervisor._add_slots(supervisor.models["echo"])
+    supervisor._apply_repository(states)
+    assert [s.model for s in supervisor.slots] == ["echo"]
