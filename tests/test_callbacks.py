@@ -133,6 +133,13 @@ def test_the_worker_posts_to_the_checked_address_under_the_urls_host_name(hook: 
     assert redirected.status_code == 302 and len(_Hook.seen) == 2  # not followed
 
 
+def test_the_worker_tries_the_next_checked_address_when_one_refuses(hook: int) -> None:
+    dns = resolver({"hooks.test": ["127.0.0.3", "127.0.0.1"]})  # the hook listens on .1 only
+    allowed = AllowList.parse("hooks.test,127.0.0.0/29")
+    assert deliver(f"http://hooks.test:{hook}/done", {"id": "j"}, allowed, dns).status_code == 200
+    assert _Hook.seen == [("/done", f"hooks.test:{hook}")]
+
+
 def test_the_worker_refuses_a_name_now_resolving_to_an_unlisted_private_address(
         hook: int) -> None:
     dns = resolver({"hooks.test": ["127.0.0.1"]})

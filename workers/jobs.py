@@ -45,6 +45,7 @@ from batching.jobs import (
 )
 from batching.keys import Keys
 from batching.settings import Settings
+from batching.urls import mask_url
 from workers.job_runner import REDIS_ERRORS, JobRunner
 
 log = logging.getLogger("conveyor.jobs")
@@ -179,11 +180,11 @@ def send_callback(self: Task, url: str, body: dict[str, Any]) -> int:
         retries = self.request.retries
         if retries >= CALLBACK_RETRIES:
             log.error("job %s: callback to %s failed %d times, giving up: %s", body.get("id"),
-                      url, retries + 1, exc)
+                      mask_url(url), retries + 1, exc)
             return 0
         delay = min(2 ** retries, 300)
-        log.warning("job %s: callback to %s failed (%s); retrying in %ds", body.get("id"), url,
-                    exc, delay)
+        log.warning("job %s: callback to %s failed (%s); retrying in %ds", body.get("id"),
+                    mask_url(url), exc, delay)
         raise self.retry(countdown=delay) from exc
     return response.status_code
 
@@ -197,18 +198,22 @@ def deliver(url: str, body: dict[str, Any], allowed: AllowList,
     second time. No redirects, no proxies from the environment, short timeouts.
     """
     target = check_callback(url, allowed, resolver)
-    error: httpx.ConnectError | None = None
+    *others, last = target.addresses
     with httpx.Client(timeout=CALLBACK_TIMEOUT, follow_redirects=False,
                       trust_env=False) as client:
-        for address in target.addresses:
+
+        def post(address: str) -> httpx.Response:
+            return client.post(_pinned(url, target, address), json=body,
+                               headers={"Host": _host_header(target)},
+                               extensions={"sni_hostname": target.host})
+
+        for address in others:
             try:
-                return client.post(_pinned(url, target, address), json=body,
-                                   headers={"Host": _host_header(target)},
-                                   extensions={"sni_hostname": target.host})
+                return post(address)
             except httpx.ConnectError as exc:
-                error = exc
-    assert error is not None
-    raise error
+                log.info("callback to %s at %s: %s; trying the next address", target.host,
+                         address, exc)
+        return post(last)
 
 
 def _pinned(url: str, target: Target, address: str) -> str:
