@@ -160,20 +160,22 @@ _JSON_TYPES: dict[str, tuple[frozenset[type], str]] = {
 among numbers, no fractions for integer types), and their name for error messages."""
 _KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 """The same, as numpy kinds of an array numpy reads from nested lists."""
-_SCAN_MAX = 4096
-"""A flat list of up to this many elements (of any length for types other than floating
-point, whose 0 and 1 values are common) has its element types checked one by one, and
-numpy converts it with the target dtype at once."""
+_SCAN_MAX = 256
+"""A flat list of at most this many numbers has the type of each element checked, then
+numpy converts it straight to the target dtype: the cheapest way for short lists. So has a
+flat list of any length for integer types and BOOL (numpy reads integers without a dtype
+at half the speed, and lists of 0 and 1 are common there). Longer float lists and nested
+lists are read by numpy first, as they are."""
 
 
 def json_numbers(data: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """JSON ``data`` (flat or nested lists) as an array of ``dtype``, strictly as v2 asks.
 
-    A flat list has its element types checked (see ``_SCAN_MAX``). Anything else is read by numpy as
-    it is first: null, strings and mixtures turn into an object or string array, and
-    fractions into a float one, all refused where they do not fit. A bool among numbers
-    would read as 0 or 1, so the elements that read as 0 or 1 have their types checked.
-    Integers must fit the type.
+    A list whose element types are checked (``_SCAN_MAX``) must hold only the JSON type
+    of the datatype. Anything else is read by numpy as it is: null, strings and mixtures
+    turn into an object or string array, and fractions into a float one, all refused where
+    they do not fit; a bool among numbers would read as 0 or 1, so the elements that read
+    as 0 or 1 have their types checked. Integers must fit the type.
     """
     allowed, what = _JSON_TYPES[dtype.kind]
     if (isinstance(data, list) and data and not isinstance(data[0], list)
