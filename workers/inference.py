@@ -3,7 +3,9 @@
 The loop: block for the first entry, top up without blocking while the policy says
 wait (the window is timed here, never by a short Redis BLOCK), claim what dead or stuck
 consumers left behind, answer expired entries without running them, run one shape
-group, split the outputs, answer and acknowledge in one pipeline.
+group, split the outputs, answer and acknowledge in one pipeline. Every few seconds, and
+at once after Redis failed or lost data, it also recomputes the model's rows-waiting
+counter from its streams (workers/reconcile.py).
 
 Model failures are answered, never fatal. Out of memory halves the batch and the
 learned row cap. A CUDA error that poisons the context stops the process with the batch
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
 from batching.datatypes import from_numpy
@@ -35,6 +38,7 @@ from workers.backends import (
     is_fatal_device_error,
     is_out_of_memory,
 )
+from workers.reconcile import RowsReconciler
 from workers.recovery import Reclaimer
 from workers.shared_state import SharedState
 from workers.streams import ModelStreams
@@ -69,6 +73,9 @@ class InferenceLoop:
         self.model = model
         self.streams = streams
         self.reclaimer = reclaimer
+        self.reconciler = RowsReconciler(reclaimer.client, streams.rows_key, streams.streams,
+                                         config.max_batch_size)
+        streams.on_data_lost = self.reconciler.suspect
         self.shared = shared
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
@@ -109,9 +116,20 @@ class InferenceLoop:
                 "max_queue_delay_us": int(self.policy.max_delay_s * 1e6)}
 
     def step(self) -> None:
-        """Read, claim, and run at most one batch."""
+        """Read, claim, and run at most one batch. A Redis failure propagates (the caller
+        retries), and the next step reconciles the rows-waiting counter: the failure may
+        have been a restart that lost data."""
+        try:
+            self._step()
+        except (OSError, RedisError) as exc:
+            self.reconciler.suspect(f"Redis failed ({exc})")
+            raise
+
+    def _step(self) -> None:
         room = self.max_rows - self.former.pending_rows
         now = time.time()
+        if not self.stopping and self.reconciler.due(now):
+            self.reconciler.run(now)
         if not self.stopping and room > 0:
             if self.reclaimer.due(now):
                 self._admit(self.reclaimer.poll(now, room))

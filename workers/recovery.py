@@ -88,5 +88,5 @@ class Reclaimer:
     def _live_consumers(self) -> set[str]:
         now = time.time()
         beats = self.client.hgetall(self.keys.workers(self.model))
-        return {c.decode() for c, raw in beats.items()
+        return {c.decode() if isinstance(c, bytes) else c for c, raw in beats.items()
                 if now - float(json.loads(raw).get("ts", 0)) <= self.stale_s}

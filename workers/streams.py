@@ -2,9 +2,11 @@
 
 Reads take the highest priority first. Answers for a whole batch go out in one write:
 the replies (pushed onto each API process's reply list, with a TTL so a vanished API
-leaves nothing behind), then XACK and XDEL of the entries. Reads and answers, once per
-batch, use the lean client of :mod:`batching.resp`, and an answer's replies are read
-with the next read's; the rarer calls (claims, dead letters) use redis-py.
+leaves nothing behind), then release.lua per stream, which acknowledges and deletes the
+entries and releases the rows of those it deleted from the queue limit, in one step.
+Reads and answers, once per batch, use the lean client of :mod:`batching.resp`, and an
+answer's replies are read with the next read's; the rarer calls (claims, dead letters)
+use redis-py.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from importlib import resources
 from typing import Any
 
 import redis
@@ -31,6 +34,13 @@ FLUSH_EVERY_S = 0.1
 """Statistics counters reach Redis at most this late while a model is busy."""
 DLQ_MAXLEN = 10_000
 """The dead-letter stream keeps about this many of the latest failures."""
+RELEASE_LUA = resources.files("batching").joinpath("lua/release.lua").read_bytes()
+"""Sent whole with each EVAL: nothing to reload when a restarted Redis lost its scripts
+(Redis caches it by its hash, which costs it a microsecond per call)."""
+
+
+def _no_loss(why: str) -> None:
+    """The default listener for lost data: nobody is told."""
 
 
 class ModelStreams:
@@ -46,12 +56,15 @@ class ModelStreams:
         self._latest: dict[str, int] = {}
         self._next_flush = 0.0
         self.consumer = consumer
+        self.on_data_lost: Callable[[str], None] = _no_loss
+        """Told when Redis shows it lost data (a consumer group gone)."""
 
     def on_missing_group(self, exc: ResponseError | RespError) -> None:
         """Redis lost its data (a restart without persistence): recreate the groups."""
         if "NOGROUP" not in str(exc):
             raise exc
         self.ensure_groups()
+        self.on_data_lost("a consumer group was gone")
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (from the start: nothing is skipped)."""
@@ -73,7 +86,7 @@ class ModelStreams:
                                              consumername=consumer)
         if not pending:
             return []
-        ids = [p["message_id"] for p in pending]
+        ids: list[int | bytes | str | memoryview[int]] = [p["message_id"] for p in pending]
         claimed = self._redis.xclaim(stream, GROUP, self.consumer, 0, ids)
         deliveries = {_text(p["message_id"]): int(p["times_delivered"]) + 1 for p in pending}
         return self._entries(stream, claimed, deliveries)
@@ -144,27 +157,22 @@ class ModelStreams:
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
                counters: Mapping[str, int] | None = None) -> None:
-        """Send every reply, XACK and XDEL the entries, release their rows from the queue
-        limit and add ``counters`` to the stats hash: one write for the whole batch, whose
-        replies are read with the next read's.
+        """Send every reply, release the entries (XACK, XDEL and their rows off the queue
+        limit, for those still there) and add ``counters`` to the stats hash: one write for
+        the whole batch, whose replies are read with the next read's.
         """
         self._counts.update(counters or {})
         commands = self._due_counts() if time.monotonic() >= self._next_flush else []
         by_reply: dict[str, list[bytes]] = defaultdict(list)
-        by_stream: dict[str, list[str]] = defaultdict(list)
-        rows = 0
+        by_stream: dict[str, list[str | int]] = defaultdict(list)
         for entry, reply in answered:
             by_reply[entry.request.reply].append(reply.encode())
-            by_stream[entry.stream].append(entry.entry_id)
-            rows += entry.rows
+            by_stream[entry.stream] += (entry.entry_id, entry.rows)
         for key, blobs in by_reply.items():
             commands.append(("RPUSH", key, *blobs))
             commands.append(("EXPIRE", key, REPLY_TTL_S))
-        for stream, ids in by_stream.items():
-            commands.append(("XACK", stream, GROUP, *ids))
-            commands.append(("XDEL", stream, *ids))
-        if rows:
-            commands.append(("DECRBY", self.rows_key, rows))
+        for stream, released in by_stream.items():
+            commands.append(("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released))
         self._link.send(commands)
 
     def settle(self) -> None:
@@ -209,12 +217,7 @@ class ModelStreams:
     def _drop(self, stream: str, entry_id: str, rows: int) -> None:
         """An entry that cannot be decoded has no reply address: acknowledge and delete it,
         and release its rows from the queue limit."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xack(stream, GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        if rows:
-            pipe.decrby(self.rows_key, rows)
-        pipe.execute()
+        self._redis.eval(RELEASE_LUA.decode(), 2, self.rows_key, stream, GROUP, entry_id, rows)
 
 
 def _fields(fields: Any) -> dict[bytes, bytes]:
@@ -235,5 +238,5 @@ def _rows(fields: Any) -> int:
         return 0
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _text(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
