@@ -260,14 +260,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--key", default=os.environ.get("CONVEYOR_API_KEY", ""))
     parser.add_argument("--limit", type=int, default=64 * MIB, help="CONVEYOR_MAX_REQUEST_BYTES")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--hang-s", type=float, default=15.0, help="no answer this long is a hang")
+    parser.add_argument("--out", type=Path, help="canary: its latencies; fuzz: the report (JSON)")
     args = parser.parse_args()
     if args.mode == "canary":
         canary(args.url, args.key, args.seconds, args.out)
         return
     report = asyncio.run(fuzz(args.url, args.grpc, args.pid or os.getpid(), args.seconds, args.seed,
-                              args.key, args.limit))
-    print(json.dumps(report.summary(), indent=1))
+                              args.key, args.limit, args.hang_s))
+    summary = json.dumps(report.summary(), indent=1)
+    print(summary)
+    if args.out:
+        args.out.write_text(summary)
     problems = report.problems()
     for problem in problems:
         print("FAIL:", problem, file=sys.stderr)
