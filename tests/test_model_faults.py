@@ -26,6 +26,7 @@ from batching.keys import Keys
 from batching.names import model_folder, valid_name
 from batching.repository import scan_repository, scrub_paths, stale_entries, status_table
 from batching.settings import Settings
+from conveyor import cli
 from tests.conftest import TEST_MODELS
 from tests.procs import RedisServer, free_port, service_env, start_api, wait_for
 from workers.supervisor import Supervisor
@@ -249,3 +250,72 @@ def test_supervisor_ignores_bad_names_and_adds_slots_once(tmp_path: Path) -> Non
     supervisor._add_slots(supervisor.models["echo"])
     supervisor._apply_repository(states)
     assert [s.model for s in supervisor.slots] == ["echo"]
+
+
+def test_a_model_that_raises_while_loading_fails_alone(make_stack, tmp_path: Path) -> None:
+    """Real worker: the failing model's reason reaches the index and a load at once, the
+    server is ready with the rest, and names in Redis that are no folder start nothing."""
+    root = tmp_path / "repo"
+    shutil.copytree(TEST_MODELS / "echo", root / "echo")
+    shutil.copytree(TEST_MODELS / "echo", root / "boom")
+    (root / "boom" / "model.py").write_text(
+        "class Model:\n    def __init__(self, config, device):\n"
+        "        raise RuntimeError(f'cannot open {__file__}')\n")
+    shutil.copytree(TEST_MODELS / "echo", tmp_path / "outside" / "evil")
+    stack = make_stack(repository=root, CONVEYOR_MODEL_CONTROL="explicit")
+    stack.add_api()
+    worker = stack.add_worker()
+    stack.wait_ready(timeout=90)
+    reason = "boom: RuntimeError: cannot open boom/model.py"
+    entries = {e["name"]: e for e in httpx.post(f"{stack.url}/v2/repository/index").json()}
+    assert entries["boom"] == {"name": "boom", "version": "1", "state": "UNAVAILABLE",
+                               "reason": reason}
+    assert entries["echo"]["state"] == "READY"
+
+    started = time.monotonic()
+    answer = httpx.post(f"{stack.url}/v2/repository/models/boom/load", timeout=150)
+    assert answer.status_code == 400
+    assert answer.json() == {"error": f"load failed for model 'boom': {reason}"}
+    assert time.monotonic() - started < 30
+
+    client = stack.redis()
+    loaded = json.dumps({"state": "loaded", "ts": time.time()})
+    for name in (str(tmp_path / "outside" / "evil"), "../outside/evil", LONG):
+        client.hset(f"{stack.prefix}:repository", name, loaded)
+    time.sleep(3)  # three supervisor ticks
+    slots = httpx.get(f"http://127.0.0.1:{worker.probe_port}/ready").json()["slots"]
+    assert sorted(s["model"] for s in slots) == ["boom", "echo"]
+    assert worker.log().count("not a model folder of this repository") == 3  # once each
+
+
+def test_models_cli_lists_loads_unloads_and_resets(redis_server: RedisServer, tmp_path: Path,
+                                                   monkeypatch, capsys) -> None:
+    root = _repository(tmp_path)
+    prefix = f"cli{time.monotonic_ns()}"
+    url = redis_server.url.replace("redis://", "redis://:S3cret@")
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("CONVEYOR_MODEL_REPOSITORY", str(root))
+    monkeypatch.setenv("CONVEYOR_KEY_PREFIX", prefix)
+    monkeypatch.delenv("CONVEYOR_MODELS", raising=False)
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset(f"{prefix}:repository", "gone", json.dumps({"state": "unloaded", "ts": 1.0}))
+    _beat(Settings(redis_url=redis_server.url, key_prefix=prefix), "echo", "ready")
+
+    assert cli.main(["models", "unload", "echo"]) == 0
+    assert cli.main(["models", "load", "../outside"]) == 1
+    assert cli.main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "| echo          | 1       | folder ok; recorded unloaded; workers 1 ready" in out
+    assert "| gone          | 1       | folder absent; recorded unloaded; workers -" in out
+    assert "yaml_broken   | 1       | folder invalid: yaml_broken: " in out
+    recorded = json.loads(client.hget(f"{prefix}:repository", "echo"))
+    assert recorded["state"] == "unloaded" and recorded["ts"] > 1.0
+
+    assert cli.main(["models", "reset", "gone"]) == 0
+    assert client.hkeys(f"{prefix}:repository") == [b"echo"]
+    assert cli.main(["models", "reset"]) == 0
+    assert not client.exists(f"{prefix}:repository")
+
+    monkeypatch.setenv("CONVEYOR_REDIS_URL", url.replace(str(redis_server.port), "1"))
+    assert cli.main(["models", "list"]) == 1
+    assert "S3cret" not in capsys.readouterr().err

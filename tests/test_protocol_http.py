@@ -212,7 +212,7 @@ def test_errors_map_to_statuses(stack: Stack, client: Client) -> None:
         (lambda: client.infer("slow", [item], timeout=1), "504", "deadline"),
         (lambda: client.infer("echo", [item], outputs=[
             httpclient.InferRequestedOutput("y", class_count=2)]), "400", "classification"),
-        (lambda: client.load_model("missing"), "404", "no model 'missing'"),
+        (lambda: client.load_model("missing"), "404", "unknown model 'missing'"),
     ]
     for call, status, text in cases:
         with pytest.raises(InferenceServerException) as caught:

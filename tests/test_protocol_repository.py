@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TEST_MODELS, Stack
-from tests.procs import wait_for
+from tests.procs import free_port, wait_for
 from tests.protocol_stack import build_repository, grpc_url, http_host, protocol_stack
 
 
@@ -151,7 +151,12 @@ def test_hot_load_of_a_new_folder_and_a_broken_one(stack: Stack, http: Client) -
 
 
 def test_a_second_api_process_follows_the_repository_hash(stack: Stack, http: Client) -> None:
-    other = stack.add_api()
+    first_grpc_port = stack.extra_env["CONVEYOR_GRPC_PORT"]
+    stack.extra_env["CONVEYOR_GRPC_PORT"] = str(free_port())  # the first one holds its own
+    try:
+        other = stack.add_api()
+    finally:
+        stack.extra_env["CONVEYOR_GRPC_PORT"] = first_grpc_port
 
     def ready_there() -> bool:
         return httpx.get(f"{other}/v2/models/alltypes/ready").status_code == 200
