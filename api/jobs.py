@@ -233,10 +233,10 @@ def _split(body: bytes, header_length: str | None) -> tuple[memoryview, memoryvi
     view = memoryview(body)
     if header_length is None:
         return view, view[:0]
-    if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
+    length = content_length(header_length)
+    if length is None or not 0 < length <= len(body):
         raise InvalidInput(f"Inference-Header-Content-Length {header_length!r} does not fit a "
                            f"body of {len(body)} bytes")
-    length = int(header_length)
     return view[:length], view[length:]
 
 

@@ -103,3 +103,13 @@ def test_a_bad_element_is_named_by_its_input() -> None:
     assert status == 400 and answer["error"].startswith("input 'x': data is not FP32")
     with pytest.raises(InvalidInput, match="input 'x': data is not FP32"):
         _json_tensor("x", "FP32", (1, 2), [1, None])
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "+5", " 5", "1_0"])
+def test_job_header_lengths_take_ascii_digits_only(value: str) -> None:
+    from api.jobs import _split
+
+    body = b'{"model":"m"}' + b"\0" * 8
+    assert bytes(_split(body, "13")[0]) == b'{"model":"m"}'
+    with pytest.raises(InvalidInput, match="does not fit a body"):
+        _split(body, value)
