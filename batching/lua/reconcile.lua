@@ -3,9 +3,10 @@
 -- ARGV[1]: the most rows one entry may hold (max_batch_size); ARGV[2]: the most stream
 -- bytes worth reading entry by entry.
 -- The truth is the sum of the entries' r fields (their rows). Reading an entry copies its
--- payload, so streams larger than ARGV[2] bytes are not read: the counter is only brought
--- within what their entries can hold, one to ARGV[1] rows each. Empty streams always
--- mean zero. Costs one XLEN per stream when they are empty.
+-- payload, so streams larger than ARGV[2] bytes (MEMORY USAGE's estimate, from a few of
+-- their nodes) are not read: the counter is only brought within what their entries can
+-- hold, one to ARGV[1] rows each. Empty streams always mean zero. Costs one XLEN per
+-- stream when they are empty.
 -- Returns {counter before, counter after}.
 local counted = tonumber(redis.call('GET', KEYS[1]) or '0')
 local entries, bytes = 0, 0
@@ -13,7 +14,7 @@ for i = 2, #KEYS do
   local n = redis.call('XLEN', KEYS[i])
   if n > 0 then
     entries = entries + n
-    bytes = bytes + redis.call('MEMORY', 'USAGE', KEYS[i], 'SAMPLES', '0')
+    bytes = bytes + redis.call('MEMORY', 'USAGE', KEYS[i])
   end
 end
 local truth = 0
