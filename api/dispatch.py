@@ -153,8 +153,10 @@ class Dispatcher:
     def _admitted(self, admission: Admission, data: bytes, fut: asyncio.Future[Reply],
                   reply: Any) -> None:
         if (isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
-                and self._writer is not None):
+                and self._writer is not None and not fut.done()):
             # A new or restarted Redis: EVAL sends the script along and caches it again.
+            # Not for a request already answered (its deadline passed): nobody would read
+            # its reply, and its entry would hold rows of the queue until a worker got to it.
             self._writer.write(encode(("EVAL", ADMIT_LUA, 2, admission.rows_key,
                                        admission.stream, admission.rows, admission.max_rows,
                                        data)),

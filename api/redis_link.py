@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
 
-from batching.resp import Address, RespError, check, encode_all, new_reader
+from batching.resp import Address, Command, RespError, check, encode_all, new_reader
 
 ReplyHandler = Callable[[Any], None]
 """Called with the reply, a :class:`RespError`, or the ``ConnectionError`` of a lost link."""
@@ -69,7 +69,7 @@ class Link(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
-    async def execute(self, *commands: tuple[Any, ...]) -> list[Any]:
+    async def execute(self, *commands: Command) -> list[Any]:
         """Send ``commands`` and await their replies; error replies raise."""
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]

@@ -3,6 +3,7 @@ reconciliation at once when Redis restarts and loses its data (issue 10, item 12
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 import redis
 
+from api.dispatch import Admission, Dispatcher
 from batching.envelope import Reply, Request, Tensor
+from batching.errors import DeadlineExceeded
 from batching.keys import GROUP, Keys
 from batching.repository import load_model_config
 from batching.resp import Address, Connection
@@ -201,3 +204,28 @@ def test_the_worker_answers_a_held_entry_after_a_restart_without_going_negative(
         client.close()
     finally:
         server.stop()
+
+
+def test_a_request_refused_noscript_after_its_deadline_is_not_admitted(
+        redis_server: RedisServer, keys: Keys) -> None:
+    """A restarted Redis answers NOSCRIPT; a request whose deadline passed meanwhile is not
+    sent again, so it holds no rows of the queue."""
+    async def main() -> None:
+        dispatcher = Dispatcher(redis_server.url, keys)
+        await dispatcher.start()
+        try:
+            while dispatcher._writer is None:
+                await asyncio.sleep(0.01)
+            await dispatcher.redis.script_flush()
+            x = Tensor.from_array("x", np.zeros((3, 4), np.float32))
+            sent = Request(dispatcher.new_id(), dispatcher.reply_key, 0, 0, 2, [x])
+            admission = Admission(keys.queue(MODEL, 2), keys.rows_waiting(MODEL), 3, 100)
+            with pytest.raises(DeadlineExceeded):
+                await dispatcher.submit(admission, sent, 0)
+            await dispatcher.redis.ping()  # after the NOSCRIPT reply (the links are FIFO)
+            await asyncio.sleep(0.05)
+            assert await dispatcher.redis.xlen(keys.queue(MODEL, 2)) == 0
+            assert await dispatcher.redis.get(keys.rows_waiting(MODEL)) is None
+        finally:
+            await dispatcher.close()
+    asyncio.run(main())
