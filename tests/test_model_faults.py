@@ -283,7 +283,9 @@ def test_a_model_that_raises_while_loading_fails_alone(make_stack, tmp_path: Pat
     for name in (str(tmp_path / "outside" / "evil"), "../outside/evil", LONG):
         client.hset(f"{stack.prefix}:repository", name, loaded)
     time.sleep(3)  # three supervisor ticks
-    slots = httpx.get(f"http://127.0.0.1:{worker.probe_port}/ready").json()["slots"]
+    probe = httpx.get(f"http://127.0.0.1:{worker.probe_port}/ready")
+    assert probe.status_code == 200, "a failed model is settled for the worker's probe too"
+    slots = probe.json()["slots"]
     assert sorted(s["model"] for s in slots) == ["boom", "echo"]
     assert worker.log().count("not a model folder of this repository") == 3  # once each
 

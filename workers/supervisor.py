@@ -128,8 +128,10 @@ class Supervisor:
         self._thread.start()
 
     def ready(self) -> bool:
+        """Every active slot is ready or has failed (a failed model is settled, as the
+        API's readiness counts it)."""
         active = [s for s in self.slots if not s.retired]
-        return bool(active) and all(s.ready for s in active)
+        return bool(active) and all(s.ready or s.failed for s in active)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
