@@ -198,7 +198,7 @@ class ApiMetrics:
         if not directory:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, directory)
+        MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
         registry.register(self._shared)
         return generate_latest(registry)
 
