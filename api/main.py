@@ -15,6 +15,7 @@ from api.auth_grpc import AuthInterceptor
 from api.auth_http import AuthGuard
 from api.body import BodyLimits
 from api.dispatch import Dispatcher
+from api.grpc_decode import DecodeGuard
 from api.grpc_server import GrpcEndpoint
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
@@ -44,7 +45,8 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
                             failed=scan.failed, control=settings.model_control == "explicit")
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
-    grpc_endpoint = GrpcEndpoint(service, repository, settings, [AuthInterceptor(guard)])
+    grpc_endpoint = GrpcEndpoint(service, repository, settings,
+                                 [AuthInterceptor(guard), DecodeGuard()])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
