@@ -1,4 +1,5 @@
-"""Real processes for integration tests: redis-server, the API (uvicorn) and Celery workers."""
+"""Real processes for integration tests: redis-server, the API (``python -m api.serve``) and
+Celery workers."""
 
 from __future__ import annotations
 
@@ -128,12 +129,12 @@ def service_env(redis_url: str, repository: Path, prefix: str, **extra: str) -> 
 
 
 def start_api(env: dict[str, str], logdir: Path, name: str = "api") -> tuple[Proc, str]:
+    """The API as deployed (``python -m api.serve``: HTTP guards, no access log) on loopback."""
     port = free_port()
     # Each API also serves gRPC; unless the test chose its port, give it a free one.
-    env = {"CONVEYOR_GRPC_PORT": str(free_port()), **env}
-    proc = Proc(f"{name}-{port}", [sys.executable, "-m", "uvicorn", "api.main:app",
-                                   "--host", "127.0.0.1", "--port", str(port),
-                                   "--no-access-log", "--log-level", "warning"], env, logdir)
+    env = {"CONVEYOR_GRPC_PORT": str(free_port()), **env, "CONVEYOR_HOST": "127.0.0.1",
+           "CONVEYOR_HTTP_PORT": str(port)}
+    proc = Proc(f"{name}-{port}", [sys.executable, "-m", "api.serve"], env, logdir)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: httpx.get(f"{url}/v2/health/live").status_code == 200, 30,

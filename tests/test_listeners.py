@@ -1,14 +1,20 @@
-"""Listeners: bind address, TLS, connection guards (``python -m api.serve``) and gRPC limits."""
+"""Listeners: bind address, TLS, connection guards (``python -m api.serve``) and gRPC limits.
+
+Never import ``api.proto`` here, directly or through ``api.grpc_server`` or ``api.main``: its
+``inference.*`` symbols would collide with tritonclient's in one process's descriptor pool.
+The gRPC endpoint runs in tests/grpc_listener_probe.py or in the API process instead.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import json
+import os
 import socket
 import ssl
 import subprocess
 import sys
 import time
-import types
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,15 +23,11 @@ from typing import Any, cast
 import grpc
 import httpx
 import pytest
+from uvicorn.config import STARTUP_FAILURE
 
 from api import grpc_listener
-from api.grpc_server import GrpcEndpoint
 from api.http_guard import MAX_HEADER_BYTES, ConnectionLimits, GuardedHttpProtocol
-from api.proto import inference_pb2 as pb
-from api.proto import inference_pb2_grpc as pb_grpc
-from api.repository import Repository
 from api.serve import EXIT_REFUSED, config
-from api.service import InferenceService
 from batching.exposure import is_loopback, unsafe_binding
 from batching.settings import Settings
 from tests.conftest import TEST_MODELS
@@ -318,57 +320,80 @@ def test_uvicorn_config_requires_client_certificates_with_a_client_ca(tmp_path: 
 
 
 # --- gRPC ----------------------------------------------------------------------------------
+# The endpoint runs in a child process (tests/grpc_listener_probe.py, or the whole API) and
+# the calls carry raw bytes: api.proto's ``inference.*`` symbols cannot share this process's
+# descriptor pool with tritonclient's, which other test modules import.
+
+GRPC_LIMIT = 64 * 1024
+LIVE_METHOD = "/inference.GRPCInferenceService/ServerLive"
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+LIVE_REPLY = b"\x08\x01"
+"""ServerLiveResponse(live=True) on the wire."""
 
 
-def endpoint(settings: Settings) -> GrpcEndpoint:
-    """A gRPC endpoint whose service is never reached: transport behaviour only."""
-    service = types.SimpleNamespace(watch=types.SimpleNamespace(server_ready=lambda: True))
-    return GrpcEndpoint(cast(InferenceService, service), cast(Repository, None), settings)
+def grpc_env(port: int, **overrides: str) -> dict[str, str]:
+    return {**os.environ, "CONVEYOR_GRPC_PORT": str(port),
+            "CONVEYOR_MAX_REQUEST_BYTES": str(GRPC_LIMIT), **overrides}
 
 
-def grpc_settings(**overrides: Any) -> Settings:
-    return Settings(**{"grpc_port": free_port(), "max_request_bytes": 64 * 1024, **overrides})
+@contextlib.contextmanager
+def grpc_probe(port: int, **env: str) -> Iterator[dict[str, Any]]:
+    """The probe's first line; it serves (when it could bind) until the block ends."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.grpc_listener_probe"], cwd=ROOT,
+                             env=grpc_env(port, **env), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    try:
+        line = child.stdout.readline()
+        if not line:
+            raise AssertionError(f"the gRPC probe died: {child.stderr.read()}")
+        yield cast(dict[str, Any], json.loads(line))
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(5)
+        child.stdout.close()
+        child.stderr.close()
 
 
-async def live(channel: grpc.aio.Channel) -> bool:
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
-    reply = await stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
-    return bool(reply.live)
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def infer_request(model: str, raw: bytes) -> bytes:
+    """ModelInferRequest(model_name=model, raw_input_contents=[raw]) on the wire."""
+    name = model.encode()
+    return b"\x0a" + varint(len(name)) + name + b"\x3a" + varint(len(raw)) + raw
+
+
+def live(channel: grpc.Channel) -> bool:
+    return bool(channel.unary_unary(LIVE_METHOD)(b"", timeout=10) == LIVE_REPLY)
 
 
 def test_grpc_listens_on_the_configured_host_only() -> None:
-    settings = grpc_settings()
-
-    async def scenario() -> set[str]:
-        server = endpoint(settings)
-        await server.start()
-        try:
-            return listening_hosts(settings.grpc_port)
-        finally:
-            await server.close()
-
-    assert asyncio.run(scenario()) in ({"127.0.0.1"}, {"::ffff:127.0.0.1"})
+    port = free_port()
+    with grpc_probe(port) as first:
+        assert first == {"serving": True}
+        assert listening_hosts(port) in ({"127.0.0.1"}, {"::ffff:127.0.0.1"})
 
 
 def test_grpc_messages_over_the_limit_are_resource_exhausted() -> None:
-    settings = grpc_settings()
-
-    async def scenario() -> grpc.StatusCode:
-        server = endpoint(settings)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
-                assert await live(channel)
-                stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
-                big = pb.ModelInferRequest(model_name="echo",
-                                           raw_input_contents=[b"\0" * (settings.max_request_bytes + 1)])
-                with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await stub.ModelInfer(big, timeout=10)
-                return error.value.code()
-        finally:
-            await server.close()
-
-    assert asyncio.run(scenario()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    port = free_port()
+    with grpc_probe(port) as first, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        assert first == {"serving": True}
+        assert live(channel)
+        big = infer_request("echo", b"\0" * (GRPC_LIMIT + 1))
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary(INFER_METHOD)(big, timeout=10)
+    assert cast(grpc.Call, error.value).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_grpc_options_bound_messages_streams_and_idle_connections() -> None:
@@ -388,63 +413,57 @@ def test_a_grpc_port_in_use_is_a_startup_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        settings = grpc_settings(grpc_port=taken.getsockname()[1])
+        with grpc_probe(taken.getsockname()[1]) as first:
+            assert "in use" in first.get("bind_error", ""), first
 
-        async def scenario() -> None:
-            with pytest.raises(grpc_listener.BindError, match="in use"):
-                await endpoint(settings).start()
 
-        asyncio.run(scenario())
+def test_the_api_exits_when_its_grpc_port_is_in_use(redis_server: RedisServer) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = service_env(redis_server.url, TEST_MODELS, f"l{uuid.uuid4().hex[:8]}",
+                          CONVEYOR_HTTP_PORT=str(free_port()),
+                          CONVEYOR_GRPC_PORT=str(taken.getsockname()[1]))
+        done = subprocess.run([sys.executable, "-m", "api.serve"], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == STARTUP_FAILURE, done.stderr
+    assert "the port is in use" in done.stderr
 
 
 def test_grpc_port_is_shared_only_when_both_servers_allow_it() -> None:
     """Another stack holding the port with SO_REUSEPORT: an error unless we opt in too."""
-    settings = grpc_settings(grpc_reuseport=True)
-
-    async def scenario() -> None:
-        first = endpoint(settings)
-        await first.start()
-        try:
-            with pytest.raises(grpc_listener.BindError):
-                await endpoint(settings.model_copy(update={"grpc_reuseport": False})).start()
-            second = endpoint(settings)
-            await second.start()
-            await second.close()
-        finally:
-            await first.close()
-
-    asyncio.run(scenario())
+    port = free_port()
+    with grpc_probe(port, CONVEYOR_GRPC_REUSEPORT="1") as first:
+        assert first == {"serving": True}
+        with grpc_probe(port) as refused:
+            assert "bind_error" in refused, refused
+        with grpc_probe(port, CONVEYOR_GRPC_REUSEPORT="1") as second:
+            assert second == {"serving": True}
 
 
 def test_grpc_tls_and_client_certificates(tmp_path: Path) -> None:
     cert, key = make_cert(tmp_path, "server")
     client_cert, client_key = make_cert(tmp_path, "client")
-    settings = grpc_settings(tls_cert_file=cert, tls_key_file=key, tls_client_ca_file=client_cert)
-    target = f"localhost:{settings.grpc_port}"
+    port = free_port()
+    target = f"localhost:{port}"
     with_client = grpc.ssl_channel_credentials(cert.read_bytes(), client_key.read_bytes(),
                                                client_cert.read_bytes())
 
-    async def reachable(channel: grpc.aio.Channel) -> bool:
-        async with channel:
+    def reachable(channel: grpc.Channel) -> bool:
+        with channel:
             try:
-                return await live(channel)
-            except grpc.aio.AioRpcError:
+                return live(channel)
+            except grpc.RpcError:
                 return False
 
-    async def scenario() -> list[bool]:
-        server = endpoint(settings)
-        await server.start()
-        try:
-            return [
-                await reachable(grpc.aio.secure_channel(target, with_client)),
-                await reachable(grpc.aio.secure_channel(
-                    target, grpc.ssl_channel_credentials(cert.read_bytes()))),
-                await reachable(grpc.aio.insecure_channel(target)),
-            ]
-        finally:
-            await server.close()
-
-    assert asyncio.run(scenario()) == [True, False, False]
+    with grpc_probe(port, CONVEYOR_TLS_CERT_FILE=str(cert), CONVEYOR_TLS_KEY_FILE=str(key),
+                    CONVEYOR_TLS_CLIENT_CA_FILE=str(client_cert)) as first:
+        assert first == {"serving": True}
+        assert [
+            reachable(grpc.secure_channel(target, with_client)),
+            reachable(grpc.secure_channel(target, grpc.ssl_channel_credentials(cert.read_bytes()))),
+            reachable(grpc.insecure_channel(target)),
+        ] == [True, False, False]
 
 
 # --- Worker probe --------------------------------------------------------------------------
