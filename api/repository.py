@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 from redis.exceptions import RedisError
 
 from api.dispatch import Dispatcher
@@ -36,6 +35,7 @@ from batching.repository import (
     is_model_folder,
     load_model_config,
     model_folders,
+    parse_record,
     record_value,
     stale_entries,
     status_table,
@@ -114,16 +114,16 @@ class Repository:
             name, value = _text(raw_name), _bytes(raw_value)
             if self._seen.get(name) == value or not self._serves(name):
                 continue
-            if _ts(value) < _ts(self._seen.get(name)):
+            record = parse_record(value)
+            if record.ts < parse_record(self._seen.get(name)).ts:
                 continue  # read before a change this process made meanwhile: stale
             self._seen[name] = value
             folder = model_folder(self.root, name)
             if folder is None:
                 continue  # not a model of this repository: nothing to apply
-            state = orjson.loads(value).get("state")
-            if state == "unloaded":
+            if record.state == "unloaded":
                 self._drop(name)
-            elif state == "loaded":
+            elif record.state == "loaded":
                 try:
                     self._add(name, await asyncio.to_thread(load_model_config, folder))
                 except Exception as exc:  # one model's config never stops the others
@@ -239,8 +239,3 @@ def _text(raw: bytes | str) -> str:
 
 def _bytes(raw: bytes | str) -> bytes:
     return raw if isinstance(raw, bytes) else raw.encode()
-
-
-def _ts(value: bytes | None) -> float:
-    """When a repository hash value was recorded (0 for none)."""
-    return float(orjson.loads(value).get("ts", 0)) if value else 0.0

@@ -107,6 +107,25 @@ def record_value(state: str, at: float) -> bytes:
     return json.dumps({"state": state, "ts": at}).encode()
 
 
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A repository hash value read back; ``state`` is "" for a value that is not one."""
+
+    state: str
+    ts: float
+
+
+def parse_record(raw: bytes | str | None) -> Record:
+    """Read a repository hash value; anything malformed (written by hand) reads as no
+    state, so it is never acted on and never stops a reader."""
+    try:
+        value = json.loads(raw) if raw else {}
+        state, ts = value.get("state"), float(value.get("ts", 0))
+    except (ValueError, TypeError, AttributeError):
+        return Record("", 0.0)
+    return Record(state if state in ("loaded", "unloaded") else "", ts)
+
+
 def stale_entries(root: Path, names: Iterable[str]) -> list[str]:
     """Recorded names whose model no longer exists: an invalid name, or no folder under
     ``root`` (a folder that exists but fails to parse is kept)."""

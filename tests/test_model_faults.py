@@ -109,6 +109,7 @@ def api(redis_server: RedisServer, tmp_path: Path,
     # Left from an earlier repository: a model that is gone, a path, and a real unload.
     for name, state in (("gone", "loaded"), ("../x", "loaded"), ("schema_broken", "unloaded")):
         client.hset(keys.repository(), name, json.dumps({"state": state, "ts": 1.0}))
+    client.hset(keys.repository(), "yaml_broken", "{written by hand")  # read as no state
     for http in _start(settings, logdir):
         yield http, settings
 
@@ -138,7 +139,7 @@ def test_stale_repository_state_is_dropped_at_start(api) -> None:
     _, settings = api
     recorded = redis.Redis.from_url(settings.redis_url).hkeys(
         Keys(settings.key_prefix).repository())
-    assert sorted(recorded) == [b"schema_broken"]
+    assert sorted(recorded) == [b"schema_broken", b"yaml_broken"]
 
 
 def test_bad_names_get_one_answer_on_every_path(api) -> None:
@@ -243,6 +244,7 @@ def test_supervisor_ignores_bad_names_and_adds_slots_once(tmp_path: Path) -> Non
     loaded = json.dumps({"state": "loaded", "ts": 1.0}).encode()
     states = {name.encode(): loaded for name in (str(outside / "evil"), "../outside/evil",
                                                   "escape", "echo", "yaml_broken", LONG)}
+    states[b"schema_broken"] = b"{written by hand"
     for _ in range(5):
         supervisor._apply_repository(states)
     assert [s.model for s in supervisor.slots] == ["echo"]

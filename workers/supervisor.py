@@ -34,6 +34,7 @@ from batching.names import model_folder
 from batching.repository import (
     failure_reason,
     load_model_config,
+    parse_record,
     scan_repository,
     scan_states,
     stale_entries,
@@ -290,7 +291,7 @@ class Supervisor:
                 continue
             changed = self._applied.get(model) != raw
             self._applied[model] = raw
-            state = json.loads(raw).get("state")
+            state = parse_record(raw).state
             slots = [s for s in self.slots if s.model == model]
             if state == "unloaded" and any(not s.retired for s in slots):
                 log.info("unloading %s", model)

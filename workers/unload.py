@@ -15,7 +15,6 @@ consumer, which has no heartbeat, so a serving process claims and runs it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -25,6 +24,7 @@ import redis
 from batching.envelope import Reply
 from batching.errors import ModelNotFound
 from batching.keys import GROUP, Keys
+from batching.repository import parse_record
 from batching.resp import Address, Connection
 from workers.streams import ModelStreams
 
@@ -69,4 +69,4 @@ def turn_away(client: redis.Redis, redis_url: str, keys: Keys, model: str, level
 
 def _unloaded(client: redis.Redis, keys: Keys, model: str) -> bool:
     raw = client.hget(keys.repository(), model)
-    return raw is not None and json.loads(raw).get("state") == "unloaded"
+    return parse_record(raw).state == "unloaded"
