@@ -77,7 +77,8 @@ class Repository:
         rows = [(name, "LOADED") for name in self._models]
         rows += [(name, "UNLOADED") for name in self._unloaded if name not in self._models]
         rows += [(name, f"UNAVAILABLE: {reason}") for name, reason in self._failed.items()]
-        log.info("model repository %s:\n%s", self.root, status_table(sorted(rows)))
+        level = logging.WARNING if self._failed else logging.INFO  # seen by default then
+        log.log(level, "model repository %s:\n%s", self.root, status_table(sorted(rows)))
         self._task = asyncio.create_task(self._run(), name="conveyor-repository-watch")
 
     async def close(self) -> None:

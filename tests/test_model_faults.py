@@ -120,8 +120,12 @@ def _beat(settings: Settings, model: str, state: str, **extra: object) -> None:
         json.dumps({"state": state, "model": model, "ts": time.time(), **extra}))
 
 
-def test_broken_configs_are_unavailable_and_the_rest_serves(api) -> None:
-    client, _ = api
+def test_broken_configs_are_unavailable_and_the_rest_serves(api, logdir: Path) -> None:
+    client, settings = api
+    log = "".join(p.read_text() for p in logdir.glob(f"api-{settings.key_prefix}-*.log"))
+    assert "| Model         | Version | Status " in log
+    assert "| yaml_broken   | 1       | UNAVAILABLE: yaml_broken: " in log
+    assert "| schema_broken | 1       | UNLOADED" in log
     index = {e["name"]: e for e in client.post("/v2/repository/index").json()}
     assert index["yaml_broken"]["state"] == "UNAVAILABLE"
     assert index["yaml_broken"]["reason"].startswith("yaml_broken")

@@ -104,8 +104,8 @@ class Supervisor:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         scan = scan_repository(settings.model_repository, settings.model_filter() or None)
-        log.info("model repository %s:\n%s", settings.model_repository,
-                 status_table(scan_states(scan)))
+        log.log(logging.WARNING if scan.failed else logging.INFO, "model repository %s:\n%s",
+                settings.model_repository, status_table(scan_states(scan)))
         self.models: dict[str, ModelConfig] = scan.models
         self.slots: list[Slot] = []
         self._applied: dict[str, bytes | str] = {}
