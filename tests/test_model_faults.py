@@ -186,6 +186,9 @@ def test_unmatched_routes_answer_error(api) -> None:
     assert client.get("/nope").json() == {"error": "Not Found"}
     response = client.get("/v2/repository/index")
     assert response.status_code == 405 and response.json() == {"error": "Method Not Allowed"}
+    response = client.get("/v1/jobs?limit=many")
+    assert response.status_code == 422
+    assert response.json()["error"].startswith("invalid request: query.limit: ")
 
 
 def test_readiness_counts_failed_models_as_settled(api) -> None:
