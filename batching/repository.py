@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 _ONNX_TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32", 7: "INT64",
                8: "BYTES", 9: "BOOL", 10: "FP16", 11: "FP64", 12: "UINT32", 13: "UINT64"}
-_ABSOLUTE = re.compile(r"(?<![\w.~])/(?:[^\s'\"/:,]+/)+([^\s'\"/:,]+)")
+_ABSOLUTE = re.compile(r"(?<![\w.~/:])/(?:[^\s'\"/:,]+/)+([^\s'\"/:,]+)")
+"""An absolute path (not a URL's): reasons keep only its last component."""
 
 
 def artifact_backend(folder: Path) -> str | None:

@@ -80,8 +80,10 @@ def test_scan_keeps_the_good_models_and_the_reasons_of_the_broken(tmp_path: Path
 
 
 def test_scrub_paths(tmp_path: Path) -> None:
-    text = f"[Errno 2] No such file: '{tmp_path}/m/w.bin' in /usr/lib/python3/x.py"
-    assert scrub_paths(text, tmp_path) == "[Errno 2] No such file: 'm/w.bin' in x.py"
+    text = (f"[Errno 2] No such file: '{tmp_path}/m/w.bin' in /usr/lib/python3/x.py "
+            "from https://example.com/a/b")
+    assert scrub_paths(text, tmp_path) == (
+        "[Errno 2] No such file: 'm/w.bin' in x.py from https://example.com/a/b")
 
 
 def _start(settings: Settings, logdir: Path) -> Iterator[httpx.Client]:
