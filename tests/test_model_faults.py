@@ -19,9 +19,9 @@ import grpc
 import httpx
 import pytest
 import redis
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from api.proto import inference_pb2 as pb
-from api.proto import inference_pb2_grpc as pb_grpc
 from batching.keys import Keys
 from batching.names import model_folder, valid_name
 from batching.repository import scan_repository, scrub_paths, stale_entries, status_table
