@@ -141,8 +141,9 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
     @router.get("")
     async def listing(request: Request, limit: int = PAGE, offset: int = 0) -> dict[str, Any]:
         """The caller's jobs (an admin key's, or without keys: every job), newest first."""
-        if not 0 < limit <= LISTED or offset < 0:
-            raise InvalidInput(f"limit must be in 1..{LISTED} and offset >= 0")
+        if not 0 < limit <= LISTED or not 0 <= offset < LISTED:
+            raise InvalidInput(f"limit must be in 1..{LISTED} and offset in 0..{LISTED - 1} "
+                               "(a listing holds the latest jobs only)")
         principal = _principal(request)
         listed = keys.jobs_listed("" if principal is None or principal.admin
                                   else principal.digest)

@@ -92,8 +92,9 @@ def test_only_the_submitting_key_or_an_admin_key_sees_lists_and_cancels_a_job(
     assert listed(keyed, "bob-key") == [theirs]
     assert listed(keyed, "root-key")[:2] == [theirs, mine]
     assert listed(keyed, "root-key", limit=1, offset=1) == [mine]
-    assert httpx.get(f"{url}/v1/jobs", params={"limit": 0},
-                     headers=auth("root-key")).status_code == 400
+    for bad in ({"limit": 0}, {"offset": 2**100}, {"offset": -1}):
+        answer = httpx.get(f"{url}/v1/jobs", params=bad, headers=auth("root-key"))
+        assert answer.status_code == 400, (bad, answer.text)
     assert httpx.get(f"{url}/v1/jobs", headers=auth("scorer-key")).status_code == 403
 
     cancelled = httpx.delete(f"{url}/v1/jobs/{mine}", headers=auth("alice-key"))

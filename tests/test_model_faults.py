@@ -107,19 +107,19 @@ def api(redis_server: RedisServer, tmp_path: Path,
                         key_prefix=f"mf{time.monotonic_ns()}", grpc_port=free_port(),
                         heartbeat_interval_s=0.1, model_control="explicit")
     keys = Keys(settings.key_prefix)
-    client = redis.Redis.from_url(settings.redis_url)
-    # Left from an earlier repository: a model that is gone, a path, and a real unload.
-    for name, state in (("gone", "loaded"), ("../x", "loaded"), ("schema_broken", "unloaded")):
-        client.hset(keys.repository(), name, json.dumps({"state": state, "ts": 1.0}))
-    client.hset(keys.repository(), "yaml_broken", "{written by hand")  # read as no state
+    with redis.Redis.from_url(settings.redis_url) as client:
+        # Left from an earlier repository: a model that is gone, a path, and a real unload.
+        for name, state in (("gone", "loaded"), ("../x", "loaded"), ("schema_broken", "unloaded")):
+            client.hset(keys.repository(), name, json.dumps({"state": state, "ts": 1.0}))
+        client.hset(keys.repository(), "yaml_broken", "{written by hand")  # read as no state
     for http in _start(settings, logdir):
         yield http, settings
 
 
 def _beat(settings: Settings, model: str, state: str, **extra: object) -> None:
-    redis.Redis.from_url(settings.redis_url).hset(
-        Keys(settings.key_prefix).workers(model), f"h:1:{model}:cpu:0:slot",
-        json.dumps({"state": state, "model": model, "ts": time.time(), **extra}))
+    with redis.Redis.from_url(settings.redis_url) as client:
+        client.hset(Keys(settings.key_prefix).workers(model), f"h:1:{model}:cpu:0:slot",
+                    json.dumps({"state": state, "model": model, "ts": time.time(), **extra}))
 
 
 def test_broken_configs_are_unavailable_and_the_rest_serves(api, logdir: Path) -> None:
@@ -143,8 +143,8 @@ def test_broken_configs_are_unavailable_and_the_rest_serves(api, logdir: Path) -
 
 def test_stale_repository_state_is_dropped_at_start(api) -> None:
     _, settings = api
-    recorded = redis.Redis.from_url(settings.redis_url).hkeys(
-        Keys(settings.key_prefix).repository())
+    with redis.Redis.from_url(settings.redis_url) as client:
+        recorded = client.hkeys(Keys(settings.key_prefix).repository())
     assert sorted(recorded) == [b"schema_broken", b"yaml_broken"]
 
 
@@ -328,6 +328,7 @@ def test_models_cli_lists_loads_unloads_and_resets(redis_server: RedisServer, tm
     assert client.hkeys(f"{prefix}:repository") == [b"echo"]
     assert cli.main(["models", "reset"]) == 0
     assert not client.exists(f"{prefix}:repository")
+    client.close()
 
     monkeypatch.setenv("CONVEYOR_REDIS_URL", url.replace(str(redis_server.port), "1"))
     assert cli.main(["models", "list"]) == 1

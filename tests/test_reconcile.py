@@ -43,9 +43,21 @@ def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
         yield client
 
 
+OPENED: list[redis.Redis | Connection] = []
+"""Connections streams_on made; closed after each test."""
+
+
+@pytest.fixture(autouse=True)
+def close_opened() -> Iterator[None]:
+    yield
+    while OPENED:
+        OPENED.pop().close()
+
+
 def streams_on(url: str, keys: Keys, consumer: str = "c1") -> ModelStreams:
     client = redis.Redis.from_url(url)
     link = Connection(Address.from_url(url), timeout_s=5.0)
+    OPENED.extend([client, link])
     streams = ModelStreams(client, link, keys.queues(MODEL, 3), keys.stats(MODEL),
                            keys.rows_waiting(MODEL), consumer)
     streams.ensure_groups()
@@ -131,7 +143,9 @@ def test_reconcile_bounds_the_counter_of_streams_too_large_to_read(
 
 
 def test_reconcile_runs_every_interval() -> None:
-    watch = RowsReconciler(redis.Redis(), "k", ["s"], 8, interval_s=2.0)
+    unused = redis.Redis()  # never connects: the test only reads the schedule
+    OPENED.append(unused)
+    watch = RowsReconciler(unused, "k", ["s"], 8, interval_s=2.0)
     assert watch.due(100.0)
     watch._next = 102.0  # as run(100.0) leaves it
     assert not watch.due(101.9) and watch.due(102.0)
