@@ -36,6 +36,7 @@ from bench.fuzz_cases import MIB, good_body, good_grpc, grpc_case, http_case
 
 CANARY_EVERY_S = 0.05
 CANARY_BOUND_MS = 100.0
+"""Every good request is answered within this long (the issue's bound, on a quiet host)."""
 BAD_GRPC = {"INTERNAL", "UNKNOWN", "DATA_LOSS", "UNIMPLEMENTED"}
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -57,6 +58,7 @@ class Report:
     canary_p50_ms: float = 0.0
     canary_p99_ms: float = 0.0
     canary_max_ms: float = 0.0
+    canary_bound_ms: float = CANARY_BOUND_MS
 
     def problems(self) -> list[str]:
         out = [f"{len(self.failures)} server errors, e.g. {self.failures[:3]}"] if self.failures else []
@@ -66,8 +68,11 @@ class Report:
             out.append(f"API RSS {self.rss_max_mib:.0f} MiB > bound {self.rss_bound_mib:.0f} MiB")
         if self.canary_failed:
             out.append(f"{self.canary_failed} of {self.canary_sent} good requests failed")
-        if self.canary_max_ms > CANARY_BOUND_MS:
-            out.append(f"a good request took {self.canary_max_ms:.0f} ms (> {CANARY_BOUND_MS:.0f})")
+        if self.canary_p99_ms > CANARY_BOUND_MS:
+            out.append(f"good requests' p99 is {self.canary_p99_ms:.0f} ms (> {CANARY_BOUND_MS:.0f})")
+        if self.canary_max_ms > self.canary_bound_ms:
+            out.append(f"a good request took {self.canary_max_ms:.0f} ms "
+                       f"(> {self.canary_bound_ms:.0f})")
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -225,8 +230,9 @@ def fill_canary(report: Report, results: list[float]) -> None:
 
 async def fuzz(url: str, grpc_target: str, pid: int, seconds: float, seed: int = 0,
                auth: str = "", limit: int = 64 * MIB, hang_s: float = 15.0,
-               http_workers: int = 3, grpc_workers: int = 1) -> Report:
-    report = Report(seconds=seconds)
+               canary_bound_ms: float = CANARY_BOUND_MS, http_workers: int = 3,
+               grpc_workers: int = 1) -> Report:
+    report = Report(seconds=seconds, canary_bound_ms=canary_bound_ms)
     report.rss_idle_mib = rss_mib(pid)
     report.rss_bound_mib = 2 * report.rss_idle_mib + limit / MIB
     sampler = RssSampler(pid)
@@ -261,13 +267,15 @@ def main() -> None:
     parser.add_argument("--key", default=os.environ.get("CONVEYOR_API_KEY", ""))
     parser.add_argument("--limit", type=int, default=64 * MIB, help="CONVEYOR_MAX_REQUEST_BYTES")
     parser.add_argument("--hang-s", type=float, default=15.0, help="no answer this long is a hang")
+    parser.add_argument("--canary-max-ms", type=float, default=CANARY_BOUND_MS,
+                        help="the slowest good request allowed (p99 is always held to 100 ms)")
     parser.add_argument("--out", type=Path, help="canary: its latencies; fuzz: the report (JSON)")
     args = parser.parse_args()
     if args.mode == "canary":
         canary(args.url, args.key, args.seconds, args.out)
         return
     report = asyncio.run(fuzz(args.url, args.grpc, args.pid or os.getpid(), args.seconds, args.seed,
-                              args.key, args.limit, args.hang_s))
+                              args.key, args.limit, args.hang_s, args.canary_max_ms))
     summary = json.dumps(report.summary(), indent=1)
     print(summary)
     if args.out:

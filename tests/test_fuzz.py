@@ -26,6 +26,9 @@ from tests.procs import RedisServer, free_port
 pytestmark = pytest.mark.fuzz
 
 SECONDS = float(os.environ.get("CONVEYOR_FUZZ_SECONDS", "20"))
+FIGURES = "CONVEYOR_FUZZ_SECONDS" in os.environ
+"""The figures run holds every good request to 100 ms; in CI, on a host shared with the
+rest of the suite, the slowest may take 500 ms (p99 is held to 100 ms either way)."""
 KEY = "fuzz-admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -70,11 +73,12 @@ def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stac
         [sys.executable, "-m", "bench.fuzz", "--url", url,
          "--grpc", f"127.0.0.1:{fuzz_stack.env['CONVEYOR_GRPC_PORT']}", "--pid", str(api.pid),
          "--seconds", str(SECONDS), "--seed", "1", "--key", KEY, "--hang-s", "10",
+         "--canary-max-ms", "100" if FIGURES else "500",
          "--out", str(report)],
         capture_output=True, text=True, timeout=SECONDS + 120)
     print(run.stdout[-4000:])
     summary = json.loads(report.read_text())
-    if os.environ.get("CONVEYOR_FUZZ_SECONDS"):
+    if FIGURES:
         Path("fuzz-report.json").write_text(json.dumps(summary, indent=1))
     assert sum(summary["http"].values()) > 10 and sum(summary["grpc"].values()) > 10, summary
     assert run.returncode == 0, run.stderr[-4000:]
