@@ -52,14 +52,14 @@ def fuzz_stack(redis_server: RedisServer, logdir: Path,
     stack.stop()
 
 
-def test_schemathesis_finds_no_server_error(fuzz_stack: Stack) -> None:
+def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -> None:
     seconds = max(10, int(SECONDS))
     run = subprocess.run(
         [str(Path(sys.executable).parent / "schemathesis"), "run", f"{fuzz_stack.url}/openapi.json",
          "--checks", "not_a_server_error", "--max-response-time", "5", "--max-time", str(seconds),
          "--workers", "1", "--seed", "1", "-H", f"Authorization: Bearer {KEY}",
          "--request-timeout", "10", "--no-color"],
-        capture_output=True, text=True, timeout=seconds * 4 + 120)
+        capture_output=True, text=True, timeout=seconds * 4 + 120, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     # Fuzzed repository calls may have unloaded the model: load it back for the next test.
     httpx.post(f"{fuzz_stack.url}/v2/repository/models/digits/load", headers=AUTH, timeout=120)
