@@ -26,7 +26,7 @@ chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to ch
 	CONVEYOR_CHAOS_SCALE=5 CONVEYOR_CHAOS_REPORT=chaos-report.jsonl $(PY) -m pytest -m chaos -s tests/test_chaos.py
 
 fuzz: $(VENV)/.installed  ## schemathesis and the hostile-input fuzzer for 5 minutes; figures in fuzz-report.json
-	CONVEYOR_FUZZ_SECONDS=300 $(PY) -m pytest -m fuzz -s -p no:timeout tests/test_fuzz.py
+	CONVEYOR_FUZZ_SECONDS=300 $(PY) -m pytest -m fuzz -s --timeout=0 tests/test_fuzz.py
 
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
