@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     also bounds gRPC messages received and sent."""
     large_body_bytes: int = 1024 * 1024
     """A request body at least this large counts as large (see ``max_large_bodies``)."""
-    max_large_bodies: int = 8
+    max_large_bodies: int = 2
     """Large bodies read or inflated at once in one API process (infer and jobs); more
     wait their turn."""
     http_keepalive_s: float = 5.0
