@@ -59,6 +59,7 @@ class Report:
     canary_p99_ms: float = 0.0
     canary_max_ms: float = 0.0
     canary_bound_ms: float = CANARY_BOUND_MS
+    canary_over_100_ms: int = 0
 
     def problems(self) -> list[str]:
         out = [f"{len(self.failures)} server errors, e.g. {self.failures[:3]}"] if self.failures else []
@@ -226,6 +227,7 @@ def fill_canary(report: Report, results: list[float]) -> None:
         report.canary_p50_ms = good[len(good) // 2]
         report.canary_p99_ms = good[min(len(good) - 1, int(len(good) * 0.99))]
         report.canary_max_ms = good[-1]
+        report.canary_over_100_ms = sum(1 for r in good if r > CANARY_BOUND_MS)
 
 
 async def fuzz(url: str, grpc_target: str, pid: int, seconds: float, seed: int = 0,
