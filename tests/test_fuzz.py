@@ -60,6 +60,7 @@ def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -
          "--workers", "1", "--seed", "1", "-H", f"Authorization: Bearer {KEY}",
          "--request-timeout", "10", "--no-color"],
         capture_output=True, text=True, timeout=seconds * 4 + 120, cwd=tmp_path)
+    print(run.stdout[-1500:])  # its summary: operations, phases, test cases
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     # Fuzzed repository calls may have unloaded the model: load it back for the next test.
     httpx.post(f"{fuzz_stack.url}/v2/repository/models/digits/load", headers=AUTH, timeout=120)
