@@ -108,7 +108,7 @@ def _path(rng: random.Random) -> str:
     else:
         model = rng.choice(["nope", "..%2f..%2fetc", "a" * 300, "%00", "d%C3%A9", "..", ".",
                             "digits%2f..%2fdigits", "x" * 128])
-    version = rng.choice(["", "", "/versions/1", "/versions/2", "/versions/-1", "/versions/%ff"])
+    version = rng.choice(["", "/versions/1"] * 6 + ["/versions/2", "/versions/-1", "/versions/%ff"])
     return f"/v2/models/{model}{version}/infer"
 
 
