@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from api.auth import PRINCIPAL, Principal
 from api.body import LargeBody, content_length, read_body
-from api.kserve import InferRequest, json_object, parse_header, render
+from api.kserve import InferRequest, json_object, parse_document, render
 from api.service import InferenceService
 from batching.callbacks import AllowList, check_callback
 from batching.config import ModelConfig
@@ -90,13 +90,15 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         async with service.bodies.claim() as claim:  # a large body holds a place until parsed
             body = await _read_body(request, claim, settings.job_max_bytes)
             header, binary = _split(body, request.headers.get(HEADER_LENGTH))
-            model = json_object(header).get("model")
+            # A large body is parsed in a thread, once, so other clients are not stalled.
+            doc = await asyncio.to_thread(json_object, header) if claim.held else json_object(header)
+            model = doc.get("model")
             if not isinstance(model, str):
                 raise InvalidInput("'model' must name the model to run")
             config = service.model(model)
             job_config = replace(config, max_batch_size=MAX_JOB_ROWS)
-            parsed = (await asyncio.to_thread(parse_header, header, binary, job_config)
-                      if claim.held else parse_header(header, binary, job_config))
+            parsed = (await asyncio.to_thread(parse_document, doc, binary, job_config)
+                      if claim.held else parse_document(doc, binary, job_config))
         record = JobRecord(
             id=uuid.uuid4().hex, model=model, state=JobState.PENDING, total=parsed.rows,
             priority=_priority(parsed, config),

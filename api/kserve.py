@@ -64,7 +64,11 @@ def json_object(data: bytes | memoryview) -> dict[str, Any]:
 def parse_header(header: bytes | memoryview, binary: memoryview,
                  config: ModelConfig) -> InferRequest:
     """A JSON header and the binary tensor section that followed it (possibly empty)."""
-    doc = json_object(header)
+    return parse_document(json_object(header), binary, config)
+
+
+def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig) -> InferRequest:
+    """:func:`parse_header` of a header already parsed as JSON."""
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
