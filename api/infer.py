@@ -2,7 +2,7 @@
 
 ``POST /v2/models/{m}[/versions/{v}]/infer`` is the hot path: it skips FastAPI's routing,
 dependency solving and pydantic, which cost more than the whole Redis round trip
-(DESIGN section 10). Every other request falls through to the FastAPI app.
+(docs/data-path.md section 7). Every other request falls through to the FastAPI app.
 
 It speaks JSON and the binary tensor extension: ``Inference-Header-Content-Length``
 splits the body into a JSON header and raw tensors (``0``: the whole body is the raw

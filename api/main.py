@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
         await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
         gc.collect()
-        gc.freeze()  # start-up objects never need scanning again (p99, DESIGN section 10)
+        gc.freeze()  # start-up objects never need scanning again (p99, docs/data-path.md section 7)
         yield
         await grpc_endpoint.close()
         await repository.close()

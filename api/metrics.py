@@ -1,4 +1,4 @@
-"""The API's Prometheus metrics (names fixed by DESIGN section 9; each one is in docs/metrics.md).
+"""The API's Prometheus metrics (each one, with its name and labels, is in docs/metrics.md).
 
 Most are counted by this process as it answers. With ``PROMETHEUS_MULTIPROC_DIR`` set
 (prometheus_client's multiprocess mode, for ``uvicorn --workers N``), every process

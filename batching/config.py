@@ -1,4 +1,4 @@
-"""A model's configuration: the ``config.yaml`` keys of DESIGN section 8, typed.
+"""A model's configuration: the ``config.yaml`` keys of docs/configuration.md, typed.
 
 Validation of the keys lives in :mod:`batching.config_schema`."""
 

@@ -1,4 +1,4 @@
-"""One benchmark run, side by side (DESIGN section 11): raw model, plain FastAPI wrapper, conveyor.
+"""One benchmark run, side by side (bench/RESULTS.md): raw model, plain FastAPI wrapper, conveyor.
 
 Usage: python -m bench.run [--duration S] [--models mlp_tiny,mlp_medium] [--concurrency 1,8,64]
                            [--api-workers 1,2] [--out bench/RESULTS.md]
