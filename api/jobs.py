@@ -37,7 +37,6 @@ from batching.config import ModelConfig
 from batching.envelope import Reply
 from batching.errors import InvalidInput, ModelNotFound, Unavailable
 from batching.jobs import (
-    JOB_TASK,
     TRANSITION_LUA,
     UNFINISHED,
     WAKE,
@@ -49,7 +48,7 @@ from batching.jobs import (
     unpack_tensors,
 )
 from batching.settings import Settings
-from workers.app import app as celery_app
+from conveyor.celery_client import celery_app, send_job
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +69,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
     keys = service.keys
     transition = service.dispatcher.redis.register_script(TRANSITION_LUA)
     callback_hosts = AllowList.parse(settings.callback_hosts)
+    tasks = celery_app(settings)
 
     def record_key(job_id: str) -> str:
         if not JOB_ID.match(job_id):
@@ -109,8 +109,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             owner=_owner(_principal(request)))
         await _store(record, pack_tensors(parsed.inputs))
         try:
-            await asyncio.to_thread(celery_app.send_task, JOB_TASK, args=[record.id],
-                                    task_id=record.id)
+            await asyncio.to_thread(send_job, tasks, record.id)
         except Exception as exc:  # the broker is Redis: unreachable, most likely
             await _forget(record.id)
             raise Unavailable(f"could not queue the job: {exc}") from None
