@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from batching.config import ModelConfig
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +90,3 @@ class FixedWindow:
     def estimates(self) -> dict[str, float]:
         return {}
 
-
-def make_policy(config: ModelConfig) -> Policy:
-    """The policy of one inference instance: adaptive, or Triton's fixed window."""
-    batching = config.batching
-    delay_s = batching.max_queue_delay_us / 1e6
-    preferred = tuple(sorted(p for p in batching.preferred_batch_sizes if 0 < p <= config.max_batch_size))
-    if not batching.adaptive:
-        return FixedWindow(config.max_batch_size, delay_s, preferred)
-    from batching.adaptive import AdaptivePolicy  # adaptive imports this module
-
-    return AdaptivePolicy(config.max_batch_size, max_delay_s=delay_s, preferred=preferred,
-                          latency_target_s=batching.latency_target_ms / 1000.0)

@@ -4,7 +4,8 @@ import pytest
 
 from batching.adaptive import AdaptivePolicy, ArrivalRate, LatencyModel
 from batching.config import BatchingConfig, ModelConfig
-from batching.policy import Decision, FixedWindow, Policy, make_policy
+from batching.policy import Decision, FixedWindow, Policy
+from batching.policy_choice import make_policy
 
 NOW = 1_000.0
 FAR = NOW + 30.0  # the default 30 s deadline: never the binding constraint here

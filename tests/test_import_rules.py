@@ -68,3 +68,20 @@ def test_every_import_form_is_read() -> None:
     assert [n for n in names if breaks(n, FORBIDDEN["batching"])] == [
         "fastapi.responses", "celery.Celery", "workers.app", "api"]
     assert not breaks("apis", ("api",))
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Which of the package's own modules each of its modules imports."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        named = {name for _, name in imports_of(path.read_text(), path.relative_to(ROOT).parent.parts)}
+        graph[module] = {other for other in paths if other != module
+                         and any(breaks(name, (other,)) for name in named)}
+    return graph
+
+
+def test_batching_modules_import_each_other_in_one_direction() -> None:
+    graph = module_graph("batching")
+    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if a < b and a in graph[b])
+    assert cycles == []

@@ -31,7 +31,7 @@ from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import COMPUTE_PHASES, Keys
 from batching.memory import RowCap
-from batching.policy import make_policy
+from batching.policy_choice import make_policy
 from workers.backends import (
     LoadedModel,
     error_summary,

@@ -1,0 +1,22 @@
+"""The batching policy a model's config selects: adaptive, or Triton's fixed window.
+
+Its own module so that :mod:`batching.policy` (the protocol and the fixed window) and
+:mod:`batching.adaptive`, which builds on it, import in one direction only.
+"""
+
+from __future__ import annotations
+
+from batching.adaptive import AdaptivePolicy
+from batching.config import ModelConfig
+from batching.policy import FixedWindow, Policy
+
+
+def make_policy(config: ModelConfig) -> Policy:
+    """The policy of one inference instance: adaptive, or Triton's fixed window."""
+    batching = config.batching
+    delay_s = batching.max_queue_delay_us / 1e6
+    preferred = tuple(sorted(p for p in batching.preferred_batch_sizes if 0 < p <= config.max_batch_size))
+    if not batching.adaptive:
+        return FixedWindow(config.max_batch_size, delay_s, preferred)
+    return AdaptivePolicy(config.max_batch_size, max_delay_s=delay_s, preferred=preferred,
+                          latency_target_s=batching.latency_target_ms / 1000.0)
