@@ -93,10 +93,6 @@ class Dispatcher:
         self._fail_waiting(Unavailable("the API is shutting down"))
         await self._redis.aclose()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._waiting)
-
     async def submit(self, admission: Admission, request: Request, timeout_s: float) -> Reply:
         """Admit ``request`` to its stream and wait for its reply until ``timeout_s``.
 

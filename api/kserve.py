@@ -45,11 +45,6 @@ class InferRequest:
         return self.binary_outputs.get(output, self.binary_default)
 
 
-def parse_json(body: bytes, config: ModelConfig) -> InferRequest:
-    """A request whose body is one JSON document (no binary tensors)."""
-    return parse_header(body, memoryview(b""), config)
-
-
 def json_object(data: bytes | memoryview) -> dict[str, Any]:
     """A request body that must be one JSON object; anything else is a 400."""
     try:

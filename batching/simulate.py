@@ -79,7 +79,6 @@ MLP_MEDIUM_CPU = Device("mlp_medium-cpu", points=(
     (1, 0.0048), (2, 0.0110), (4, 0.0103), (8, 0.0120), (16, 0.0145), (32, 0.0200), (64, 0.0304)))
 """bench's mlp_medium, TorchScript on one CPU thread, measured once on the dev box (batch 1
 takes a faster matrix-vector path)."""
-DEVICES = (LINEAR, KNEE)
 
 
 @dataclass(frozen=True, slots=True)
