@@ -44,6 +44,7 @@ def celery_app(settings: Settings) -> Celery:
     return app
 
 
-def send_job(app: Celery, job_id: str) -> None:
-    """Queues the job's task on ``cv.jobs``; the task id is the job id."""
-    app.send_task(JOB_TASK, args=[job_id], task_id=job_id)
+def send_job(app: Celery, job_id: str, takeover: str = "") -> None:
+    """Queues the job's task on ``cv.jobs``; the task id is the job id. ``takeover``: the
+    lease token the job reaper holds when it resends a job whose worker died."""
+    app.send_task(JOB_TASK, args=[job_id, takeover] if takeover else [job_id], task_id=job_id)

@@ -32,4 +32,6 @@ def test_a_job_is_sent_by_name_with_its_id_as_task_id() -> None:
     sent: list[tuple[Any, ...]] = []
     with patch.object(app, "send_task", lambda *a, **k: sent.append((a, k))):
         send_job(app, "abc")
-    assert sent == [((JOB_TASK,), {"args": ["abc"], "task_id": "abc"})]
+        send_job(app, "abc", "reaper-1")
+    assert sent == [((JOB_TASK,), {"args": ["abc"], "task_id": "abc"}),
+                    ((JOB_TASK,), {"args": ["abc", "reaper-1"], "task_id": "abc"})]

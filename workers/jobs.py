@@ -46,6 +46,7 @@ from batching.jobs import (
 from batching.keys import Keys
 from batching.settings import Settings
 from batching.urls import mask_url
+from conveyor.celery_client import send_job
 from workers.job_runner import REDIS_ERRORS, JobRunner
 
 log = logging.getLogger("conveyor.jobs")
@@ -276,4 +277,4 @@ def reap(ctx: JobContext, app: Any) -> None:
             token = f"reaper-{os.urandom(6).hex()}"
             if ctx.redis.set(ctx.keys.job_lease(job_id), token, nx=True, px=lease_ms):
                 log.warning("job %s lost its worker; resending it to resume", job_id)
-                app.send_task(JOB_TASK, args=[job_id, token], task_id=job_id)
+                send_job(app, job_id, token)
