@@ -35,3 +35,14 @@ def test_a_job_is_sent_by_name_with_its_id_as_task_id() -> None:
         send_job(app, "abc", "reaper-1")
     assert sent == [((JOB_TASK,), {"args": ["abc"], "task_id": "abc"}),
                     ((JOB_TASK,), {"args": ["abc", "reaper-1"], "task_id": "abc"})]
+
+
+def test_batch_events_use_the_same_tls_options() -> None:
+    from workers.events import BatchEvents
+
+    url = "rediss://cache?ssl_certfile=/c.pem&ssl_keyfile=/c.key"
+    events = BatchEvents("digits", Settings(redis_url=url))
+    assert events.app.conf.broker_use_ssl == celery_app(Settings(redis_url=url)).conf.broker_use_ssl
+    assert events.app.conf.broker_use_ssl["ssl_certfile"] == "/c.pem"
+    plain = BatchEvents("digits", Settings(redis_url="redis://cache"))
+    assert not plain.app.conf.broker_use_ssl

@@ -30,6 +30,7 @@ import orjson
 from celery import Celery
 
 from batching.keys import Keys
+from batching.resp import Address
 from batching.settings import Settings
 from workers.inference import BatchListener
 
@@ -70,6 +71,9 @@ class BatchEvents:
             broker_transport_options={"global_keyprefix": Keys(settings.key_prefix).celery()},
             broker_connection_retry=False,
         )
+        tls = Address.from_url(settings.redis_url).ssl_options()
+        if tls is not None:  # rediss://, as the worker's own app (conveyor.celery_client)
+            self.app.conf.broker_use_ssl = tls
         self._queue: deque[tuple[float, int, float, str]] = deque(maxlen=QUEUE_LIMIT)
         self._thread = threading.Thread(target=self._run, name="conveyor-batch-events",
                                         daemon=True)
