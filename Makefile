@@ -28,9 +28,10 @@ chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to ch
 fuzz: $(VENV)/.installed  ## schemathesis and the hostile-input fuzzer for 5 minutes; figures in fuzz-report.json
 	CONVEYOR_FUZZ_SECONDS=300 $(PY) -m pytest -m fuzz -s --timeout=0 tests/test_fuzz.py
 
-check: $(VENV)/.installed
+check: $(VENV)/.installed  ## ruff, mypy, and the import rules between batching/, api/ and workers/
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_import_rules.py
 
 bench: $(VENV)/.installed
 	@command -v wrk >/dev/null || $(MAKE) deps
