@@ -1,7 +1,7 @@
 """The adaptive batching policy: learn the device, estimate the load, wait only when it pays.
 
 Pure, like every policy: each method is handed the time it should use and nothing here reads
-a clock, so a test or the simulator (``batching.simulate``) drives it with any timeline.
+a clock, so a test or the simulator (``bench.scheduler_sim``) drives it with any timeline.
 
 The rule, for the head shape group of ``n`` rows on an idle device (the inference loop only
 asks while nothing runs):

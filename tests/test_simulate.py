@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from batching.policy import FixedWindow
-from batching.simulate import (
+from bench.scheduler_sim import (
     CLOSED_SCENARIO,
     CONTENDERS,
     FIXED,
