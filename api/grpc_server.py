@@ -33,7 +33,6 @@ from api.stats import statistics
 from api.triton_config import triton_config
 from batching.config import ModelConfig
 from batching.errors import ConveyorError
-from batching.names import valid_name
 from batching.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -85,8 +84,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.service.watch.server_ready())
 
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
-        known = (valid_name(request.name) and request.name in self.service.models
-                 and request.version in ("", "1"))
+        known = request.name in self.service.models and request.version in ("", "1")
         return pb.ModelReadyResponse(ready=known and self.service.watch.model_ready(request.name))
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:

@@ -16,7 +16,7 @@ from batching.config import ModelConfig
 from batching.envelope import Reply, Request
 from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
 from batching.keys import Keys
-from batching.names import unknown_model, valid_name
+from batching.names import unknown_model
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class InferenceService:
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
-        config = self.models.get(name) if valid_name(name) else None
+        config = self.models.get(name)  # the registry holds valid names only (api.repository)
         if config is None:
             if name in self.unloaded:
                 raise ModelNotFound(f"model {name!r} is unloaded")
