@@ -587,6 +587,7 @@ class Check:
         self.env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
                     "CONVEYOR_MODEL_REPOSITORY": str(self.repo),
                     "CONVEYOR_GRPC_PORT": str(free_port()),
+                    "CONVEYOR_GRPC_REUSEPORT": "1",  # uvicorn --workers N share the gRPC port
                     "CONVEYOR_WORKER_PORT": str(free_port()),
                     "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.pathsep.join(p for p in (site, str(ROOT)) if p)}

@@ -255,6 +255,7 @@ def bench_conveyor(model: str, body: str, args: argparse.Namespace, work: Path,
     env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
            "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_MODELS": model,
            "CONVEYOR_GRPC_PORT": str(grpc_port), "CONVEYOR_WORKER_PORT": str(free_port()),
+           "CONVEYOR_GRPC_REUSEPORT": "1",  # uvicorn --workers N share the gRPC port
            "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.conveyor_env)}
     system = f"conveyor, {api_workers} API proc{'s' if api_workers > 1 else ''}"
     with ExitStack() as stack:
