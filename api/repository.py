@@ -31,6 +31,7 @@ from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
 from batching.keys import Keys
 from batching.names import model_folder, require_folder, unknown_model
 from batching.repository import (
+    as_text,
     failure_reason,
     is_model_folder,
     load_model_config,
@@ -95,7 +96,7 @@ class Repository:
         """Forget recorded loads and unloads of models whose folder is gone."""
         try:
             redis = self._dispatcher.redis
-            names = [_text(n) for n in await redis.hkeys(self._keys.repository())]
+            names = [as_text(n) for n in await redis.hkeys(self._keys.repository())]
             stale = stale_entries(self.root, names)
             if stale:
                 await redis.hdel(self._keys.repository(), *stale)
@@ -112,7 +113,7 @@ class Repository:
             log.debug("repository refresh failed: %s", exc)
             return
         for raw_name, raw_value in states.items():
-            name, value = _text(raw_name), _bytes(raw_value)
+            name, value = as_text(raw_name), _bytes(raw_value)
             if self._seen.get(name) == value or not self._serves(name):
                 continue
             record = parse_record(value)
@@ -232,10 +233,6 @@ class Repository:
         except Exception as exc:  # reported in the index, never raised from it
             return "UNAVAILABLE", failure_reason(folder, exc)
         return "UNAVAILABLE", "not loaded"
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
 
 def _bytes(raw: bytes | str) -> bytes:

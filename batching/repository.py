@@ -103,6 +103,11 @@ def scrub_paths(text: str, root: Path) -> str:
     return _ABSOLUTE.sub(r"\1", text)
 
 
+def as_text(raw: bytes | str) -> str:
+    """A Redis reply as text, whether or not the client decodes replies."""
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
 def record_value(state: str, at: float) -> bytes:
     """A repository hash value: ``{"state": "loaded"|"unloaded", "ts": epoch_s}``."""
     return json.dumps({"state": state, "ts": at}).encode()

@@ -24,7 +24,13 @@ import redis
 
 from batching.keys import Keys
 from batching.names import model_folder
-from batching.repository import parse_record, record_value, scan_repository, status_table
+from batching.repository import (
+    as_text,
+    parse_record,
+    record_value,
+    scan_repository,
+    status_table,
+)
 from batching.settings import Settings
 from batching.urls import mask_url
 
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def listing(client: redis.Redis, keys: Keys, settings: Settings) -> str:
     """One row per model folder or recorded name: its folder, recorded and worker state."""
     scan = scan_repository(settings.model_repository, settings.model_filter() or None)
-    recorded = {_text(k): parse_record(v).state or "?"
+    recorded = {as_text(k): parse_record(v).state or "?"
                 for k, v in client.hgetall(keys.repository()).items()}
     rows = []
     for name in sorted({*scan.models, *scan.failed, *recorded}):
@@ -118,7 +124,3 @@ def _workers(client: redis.Redis, keys: Keys, name: str, stale_s: float) -> str:
         return "none"
     text = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
     return text + (f" ({'; '.join(sorted(reasons))})" if reasons else "")
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw

@@ -32,6 +32,7 @@ from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.names import model_folder
 from batching.repository import (
+    as_text,
     failure_reason,
     load_model_config,
     parse_record,
@@ -149,7 +150,7 @@ class Supervisor:
     def _drop_stale(self) -> None:
         """Forget recorded loads and unloads of models whose folder is gone."""
         try:
-            names = [_text(n) for n in self._redis.hkeys(self.keys.repository())]
+            names = [as_text(n) for n in self._redis.hkeys(self.keys.repository())]
             stale = stale_entries(self.settings.model_repository, names)
             if stale:
                 self._redis.hdel(self.keys.repository(), *stale)
@@ -261,7 +262,7 @@ class Supervisor:
         """Remove the dead process's heartbeat so its entries are claimed at once."""
         try:
             beats = self._redis.hgetall(self.keys.workers(slot.model))
-            dead = [c for c in beats if _text(c).split(":")[1] == str(process.pid)]
+            dead = [c for c in beats if as_text(c).split(":")[1] == str(process.pid)]
             if dead:
                 self._redis.hdel(self.keys.workers(slot.model), *dead)
         except REDIS_ERRORS as exc:
@@ -285,7 +286,7 @@ class Supervisor:
 
     def _apply_repository(self, states: Mapping[bytes | str, bytes | str]) -> None:
         for raw_name, raw in states.items():
-            model = _text(raw_name)
+            model = as_text(raw_name)
             if model_folder(self.settings.model_repository, model) is None:
                 self._refuse(model, "not a model folder of this repository")
                 continue
@@ -336,10 +337,6 @@ class Supervisor:
         self.models[model] = config
         self._add_slots(config)
         log.info("loaded %s", model)
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
 
 def _retry_failed(slots: list[Slot]) -> None:
