@@ -104,9 +104,9 @@ class Address:
         query = parse_qs(parsed.query)
         def one(name: str) -> str | None:
             return next(iter(query.get(name, [])), None)
-        db_text = (query.get("db") or [""])[0] or parsed.path.lstrip("/") or "0"
+        db_text = one("db") or parsed.path.lstrip("/") or "0"
         if parsed.scheme == "unix":
-            db_text = (query.get("db") or ["0"])[0]
+            db_text = one("db") or "0"
         return cls(host=parsed.hostname or "127.0.0.1", port=parsed.port or 6379,
                    path=parsed.path if parsed.scheme == "unix" else None, db=int(db_text),
                    username=unquote(parsed.username) if parsed.username else None,
@@ -121,18 +121,12 @@ class Address:
         """The TLS context of a ``rediss://`` URL; None for plain connections."""
         if not self.tls:
             return None
-        if self.tls_verify not in CERT_REQS:
-            raise ValueError("ssl_cert_reqs must be required, optional or none")
+        verify_mode = self._cert_reqs()
         context = ssl.create_default_context(cafile=self.ca_certs)
-        context.check_hostname = self.check_hostname
         if self.certfile:
             context.load_cert_chain(self.certfile, self.keyfile)
-        if self.tls_verify == "none":
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        elif self.tls_verify == "optional":
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_OPTIONAL
+        context.check_hostname = self.check_hostname and verify_mode == ssl.CERT_REQUIRED
+        context.verify_mode = verify_mode
         return context
 
     def ssl_options(self) -> dict[str, Any] | None:
@@ -141,11 +135,14 @@ class Address:
         None for plain connections."""
         if not self.tls:
             return None
-        if self.tls_verify not in CERT_REQS:
-            raise ValueError("ssl_cert_reqs must be required, optional or none")
-        return {"ssl_cert_reqs": CERT_REQS[self.tls_verify], "ssl_ca_certs": self.ca_certs,
+        return {"ssl_cert_reqs": self._cert_reqs(), "ssl_ca_certs": self.ca_certs,
                 "ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile,
                 "ssl_check_hostname": self.check_hostname}
+
+    def _cert_reqs(self) -> ssl.VerifyMode:
+        if self.tls_verify not in CERT_REQS:
+            raise ValueError("ssl_cert_reqs must be required, optional or none")
+        return CERT_REQS[self.tls_verify]
 
     def login(self) -> list[Command]:
         """Commands to send first on a new connection: AUTH and SELECT, as needed."""
