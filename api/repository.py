@@ -39,6 +39,7 @@ from batching.repository import (
     parse_record,
     record_value,
     stale_entries,
+    state_rows,
     status_table,
 )
 
@@ -75,11 +76,9 @@ class Repository:
     async def start(self) -> None:
         await self.drop_stale()
         await self.sync()
-        rows = [(name, "LOADED") for name in self._models]
-        rows += [(name, "UNLOADED") for name in self._unloaded if name not in self._models]
-        rows += [(name, f"UNAVAILABLE: {reason}") for name, reason in self._failed.items()]
+        rows = state_rows(self._models, self._failed, self._unloaded)
         level = logging.WARNING if self._failed else logging.INFO  # seen by default then
-        log.log(level, "model repository %s:\n%s", self.root, status_table(sorted(rows)))
+        log.log(level, "model repository %s:\n%s", self.root, status_table(rows))
         self._task = asyncio.create_task(self._run(), name="conveyor-repository-watch")
 
     async def close(self) -> None:

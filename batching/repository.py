@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -148,10 +148,14 @@ def status_table(rows: Iterable[tuple[str, str]]) -> str:
     return "\n".join([rule, body[0], rule, *body[1:], rule])
 
 
-def scan_states(scan: RepositoryScan) -> list[tuple[str, str]]:
-    """(model, status) rows of a scan for :func:`status_table`."""
-    rows = [(name, "LOADED") for name in scan.models]
-    rows += [(name, f"UNAVAILABLE: {reason}") for name, reason in scan.failed.items()]
+def state_rows(loaded: Iterable[str], failed: Mapping[str, str],
+               unloaded: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """(model, status) rows for :func:`status_table`: loaded models, unloaded ones not
+    loaded again, and failed ones with the reason."""
+    names = set(loaded)
+    rows = [(name, "LOADED") for name in names]
+    rows += [(name, "UNLOADED") for name in unloaded if name not in names]
+    rows += [(name, f"UNAVAILABLE: {reason}") for name, reason in failed.items()]
     return sorted(rows)
 
 

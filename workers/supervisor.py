@@ -37,8 +37,8 @@ from batching.repository import (
     load_model_config,
     parse_record,
     scan_repository,
-    scan_states,
     stale_entries,
+    state_rows,
     status_table,
 )
 from batching.resp import RespError
@@ -106,7 +106,7 @@ class Supervisor:
         self.keys = Keys(settings.key_prefix)
         scan = scan_repository(settings.model_repository, settings.model_filter() or None)
         log.log(logging.WARNING if scan.failed else logging.INFO, "model repository %s:\n%s",
-                settings.model_repository, status_table(scan_states(scan)))
+                settings.model_repository, status_table(state_rows(scan.models, scan.failed)))
         self.models: dict[str, ModelConfig] = scan.models
         self.slots: list[Slot] = []
         self._applied: dict[str, bytes | str] = {}
