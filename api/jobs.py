@@ -42,11 +42,11 @@ from batching.jobs import (
     WAKE,
     JobRecord,
     JobState,
-    as_text,
     join_chunks,
     pack_tensors,
     unpack_tensors,
 )
+from batching.repository import as_text
 from batching.settings import Settings
 from conveyor.celery_client import celery_app, send_job
 

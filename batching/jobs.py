@@ -20,6 +20,7 @@ import msgpack
 import orjson
 
 from batching.envelope import Tensor
+from batching.repository import as_text
 
 JOB_TASK = "conveyor.job"
 CALLBACK_TASK = "conveyor.job_callback"
@@ -109,11 +110,6 @@ class JobRecord:
         if self.error:
             body["error"] = self.error
         return body
-
-
-def as_text(value: bytes | str) -> str:
-    """A Redis reply as text (bytes from a client without ``decode_responses``)."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def iso_time(ts: float) -> str | None:

@@ -41,9 +41,9 @@ from batching.jobs import (
     JOB_TASK,
     JobRecord,
     JobState,
-    as_text,
 )
 from batching.keys import Keys
+from batching.repository import as_text
 from batching.settings import Settings
 from batching.urls import mask_url
 from conveyor.celery_client import send_job
