@@ -199,14 +199,17 @@ class Repository:
         await self._record(name, "unloaded")
         self._drop(name)
 
-    async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
-        """Every model folder with Triton's state (READY, LOADING, UNAVAILABLE) and reason."""
+    async def index(self, ready_only: bool = False, reasons: bool = True) -> list[dict[str, Any]]:
+        """Every model folder with Triton's state (READY, LOADING, UNAVAILABLE) and reason.
+
+        ``reasons=False`` (the metrics scrape) skips re-reading the config of folders that
+        are neither loaded nor unloaded: their state is UNAVAILABLE whatever the reason."""
         entries = []
         for folder in await asyncio.to_thread(model_folders, self.root):
             name = folder.name
             if not self._serves(name):
                 continue
-            state, reason = await self._state(name, folder)
+            state, reason = await self._state(name, folder, reasons)
             if ready_only and state != "READY":
                 continue
             entry = {"name": name, "version": "1", "state": state}
@@ -215,7 +218,7 @@ class Repository:
             entries.append(entry)
         return entries
 
-    async def _state(self, name: str, folder: Path) -> tuple[str, str]:
+    async def _state(self, name: str, folder: Path, reasons: bool) -> tuple[str, str]:
         if name in self._models:
             if self._watch.model_ready(name):
                 return "READY", ""
@@ -227,6 +230,8 @@ class Repository:
             return "UNAVAILABLE", "no worker serves it"
         if name in self._unloaded:
             return "UNAVAILABLE", "unloaded"
+        if not reasons:
+            return "UNAVAILABLE", ""
         try:
             await asyncio.to_thread(load_model_config, folder)
         except Exception as exc:  # reported in the index, never raised from it

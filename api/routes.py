@@ -145,7 +145,8 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        service.metrics.set_model_states({e["name"]: e["state"] for e in await repository.index()})
+        index = await repository.index(reasons=False)
+        service.metrics.set_model_states({e["name"]: e["state"] for e in index})
         await service.metrics.refresh(service.dispatcher.redis, service.keys, service.models,
                                       {m: w.states for m, w in service.watch.view.items()})
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
