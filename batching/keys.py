@@ -40,6 +40,11 @@ class Keys:
     def dead_letter(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dlq"
 
+    def suspects(self, model: str) -> str:
+        """Hash: consumer name -> the re-delivered entry it is running alone, the one a
+        crash of that consumer is blamed on."""
+        return f"{self.prefix}:{{{model}}}:suspects"
+
     def stats(self, model: str) -> str:
         """Hash of counters the workers add to with every batch (Triton's statistics)."""
         return f"{self.prefix}:{{{model}}}:stats"

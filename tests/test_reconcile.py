@@ -59,7 +59,7 @@ def streams_on(url: str, keys: Keys, consumer: str = "c1") -> ModelStreams:
     link = Connection(Address.from_url(url), timeout_s=5.0)
     OPENED.extend([client, link])
     streams = ModelStreams(client, link, keys.queues(MODEL, 3), keys.stats(MODEL),
-                           keys.rows_waiting(MODEL), consumer)
+                           keys.rows_waiting(MODEL), consumer, suspects_key=keys.suspects(MODEL))
     streams.ensure_groups()
     return streams
 

@@ -70,7 +70,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     link = Connection(Address.from_url(settings.redis_url), timeout_s=BLOCK_MS / 1000 + 5)
     streams = ModelStreams(client, link, keys.queues(model_name, config.queue.priority_levels),
                            keys.stats(model_name), keys.rows_waiting(model_name), consumer,
-                           settings.busy_poll_us / 1e6)
+                           settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
     loop = InferenceLoop(config, load_model(config, folder, device), streams, reclaimer,
                          shared, keys)

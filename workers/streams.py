@@ -45,8 +45,11 @@ def _no_loss(why: str) -> None:
 
 class ModelStreams:
     def __init__(self, client: redis.Redis, link: Connection, streams: list[str], stats_key: str,
-                 rows_key: str, consumer: str, busy_poll_s: float = 0.0) -> None:
+                 rows_key: str, consumer: str, busy_poll_s: float = 0.0, *,
+                 suspects_key: str) -> None:
         self._redis = client
+        self.suspects_key = suspects_key
+        self._on_trial = False
         self.busy_poll_s = busy_poll_s
         self._link = link
         self.streams = streams
@@ -81,15 +84,38 @@ class ModelStreams:
         return {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
 
     def claim_from(self, stream: str, consumer: str, count: int) -> list[Entry]:
-        """Take over up to ``count`` entries pending on ``consumer`` (a dead one), now."""
+        """Take over up to ``count`` entries pending on ``consumer`` (a dead one), now.
+
+        Its death counts as a delivery only for the entries it may have died of: those it
+        held when first delivered (any could have been in its batch) and the re-delivered
+        entry it was running alone. Re-delivered entries it merely held keep their count,
+        so a request that kills process after process does not take its old neighbours to
+        the dead-letter stream with it.
+        """
         pending = self._redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
                                              consumername=consumer)
         if not pending:
             return []
-        ids: list[int | bytes | str | memoryview[int]] = [p["message_id"] for p in pending]
-        claimed = self._redis.xclaim(stream, GROUP, self.consumer, 0, ids)
-        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) + 1 for p in pending}
-        return self._entries(stream, claimed, deliveries)
+        blamed = _text(self._redis.hget(self.suspects_key, consumer) or b"")
+        deliveries: dict[str, int] = {}
+        for p in pending:
+            entry_id, times = _text(p["message_id"]), int(p["times_delivered"])
+            deliveries[entry_id] = times + 1 if times == 1 or entry_id == blamed else times
+        claimed: list[Any] = []
+        for times in sorted(set(deliveries.values())):
+            ids: list[int | bytes | str | memoryview[int]] = [
+                i for i, n in deliveries.items() if n == times]
+            claimed += self._redis.xclaim(stream, GROUP, self.consumer, 0, ids, retrycount=times)
+        if blamed in deliveries:  # blamed once: the record has served
+            self._redis.hdel(self.suspects_key, consumer)
+        return self._entries(stream, sorted(claimed, key=lambda item: _order(item[0])),
+                             deliveries)
+
+    def on_trial(self, entry: Entry) -> None:
+        """Record that this process runs ``entry``, re-delivered, alone: if it dies now,
+        :meth:`claim_from` blames that entry only. Cleared with the next answer."""
+        self._redis.hset(self.suspects_key, self.consumer, entry.entry_id)
+        self._on_trial = True
 
     def autoclaim(self, stream: str, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over entries idle longer than ``min_idle_ms`` on any consumer (a stuck one)."""
@@ -121,6 +147,7 @@ class ModelStreams:
             name = _text(info["name"])
             if name not in live and int(info["pending"]) == 0 and int(info["idle"]) > idle_ms:
                 self._redis.xgroup_delconsumer(stream, GROUP, name)
+                self._redis.hdel(self.suspects_key, name)
 
     def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
              poll: bool = False) -> list[Entry]:
@@ -173,6 +200,9 @@ class ModelStreams:
             commands.append(("EXPIRE", key, REPLY_TTL_S))
         for stream, released in by_stream.items():
             commands.append(("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released))
+        if self._on_trial:
+            self._on_trial = False
+            commands.append(("HDEL", self.suspects_key, self.consumer))
         self._link.send(commands)
 
     def settle(self) -> None:
@@ -236,6 +266,12 @@ def _rows(fields: Any) -> int:
         return max(0, int(_fields(fields)[ROWS_FIELD]))
     except (KeyError, ValueError, TypeError):
         return 0
+
+
+def _order(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id's place in its stream."""
+    ms, _, seq = _text(entry_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _text(value: bytes | str | int) -> str:

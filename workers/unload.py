@@ -43,7 +43,7 @@ def turn_away(client: redis.Redis, redis_url: str, keys: Keys, model: str, level
     consumer = f"{socket.gethostname()}:{os.getpid()}:{model}:unloaded"
     link = Connection(Address.from_url(redis_url), timeout_s=5.0)
     streams = ModelStreams(client, link, keys.queues(model, levels), keys.stats(model),
-                           keys.rows_waiting(model), consumer)
+                           keys.rows_waiting(model), consumer, suspects_key=keys.suspects(model))
     error = ModelNotFound(f"model {model!r} was unloaded before this request ran")
     answered, left = 0, False
     try:

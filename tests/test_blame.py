@@ -1,0 +1,128 @@
+"""A process's death counts against the entries it may have died of, not against every
+entry it held: a poison request reaches the dead-letter stream alone, its former
+neighbours keep their deliveries and succeed (issue 10: one bad part stays alone)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+
+from batching.envelope import Request, Tensor
+from batching.former import Batch, Entry
+from batching.keys import GROUP, Keys
+from batching.repository import load_model_config
+from batching.resp import Address, Connection
+from tests.conftest import TEST_MODELS
+from tests.procs import RedisServer
+from workers.backends import load_model
+from workers.inference import InferenceLoop
+from workers.recovery import Reclaimer
+from workers.shared_state import SharedState
+from workers.streams import ModelStreams
+
+MODEL = "echo"
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys(f"t{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_server.url) as client:
+        yield client
+
+
+@pytest.fixture
+def streams_of(redis_server: RedisServer, keys: Keys) -> Iterator[type[ModelStreams]]:
+    opened: list[redis.Redis | Connection] = []
+
+    def make(consumer: str) -> ModelStreams:
+        client = redis.Redis.from_url(redis_server.url)
+        link = Connection(Address.from_url(redis_server.url), timeout_s=5.0)
+        opened.extend([client, link])
+        streams = ModelStreams(client, link, keys.queues(MODEL, 1), keys.stats(MODEL),
+                               keys.rows_waiting(MODEL), consumer,
+                               suspects_key=keys.suspects(MODEL))
+        streams.ensure_groups()
+        return streams
+
+    yield make  # type: ignore[misc]
+    for each in opened:
+        each.close()
+
+
+def admit(client: redis.Redis, keys: Keys, count: int) -> None:
+    for _ in range(count):
+        x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
+        request = Request(uuid.uuid4().hex, "cv:reply:test", 0, 0, 1, [x])
+        client.xadd(keys.queue(MODEL, 1), {"d": request.encode(), "r": 1})
+
+
+def by_id(entries: list[Entry]) -> dict[str, int]:
+    return {e.entry_id: e.deliveries for e in entries}
+
+
+def test_a_death_counts_only_against_the_entry_running_alone(
+        client: redis.Redis, keys: Keys, streams_of: type[ModelStreams]) -> None:
+    admit(client, keys, 3)
+    stream = keys.queue(MODEL, 1)
+    first = streams_of("first").read(10, None)
+    # Its first death: any of the three could have been in the batch that killed it.
+    second = streams_of("second")
+    held = second.claim_from(stream, "first", 10)
+    assert by_id(held) == {e.entry_id: 2 for e in first}
+    assert [e.entry_id for e in held] == [e.entry_id for e in first]  # stream order kept
+    # The second dies running the middle one alone.
+    second.on_trial(held[1])
+    third = streams_of("third").claim_from(stream, "second", 10)
+    assert by_id(third) == {held[0].entry_id: 2, held[1].entry_id: 3, held[2].entry_id: 2}
+    # Redis's own count agrees, so a later claim starts from the right figure.
+    pending = client.xpending_range(stream, GROUP, min="-", max="+", count=10)
+    assert {p["message_id"].decode(): p["times_delivered"] for p in pending} == by_id(third)
+    assert not client.exists(keys.suspects(MODEL))  # the record served once, and went
+
+
+def test_a_death_with_nothing_on_trial_does_not_count_against_held_redeliveries(
+        client: redis.Redis, keys: Keys, streams_of: type[ModelStreams]) -> None:
+    admit(client, keys, 2)
+    stream = keys.queue(MODEL, 1)
+    streams_of("first").read(10, None)
+    held = streams_of("second").claim_from(stream, "first", 10)
+    admit(client, keys, 1)
+    fresh = streams_of("second").read(10, None)  # read, and perhaps running, at its death
+    third = streams_of("third").claim_from(stream, "second", 10)
+    assert by_id(third) == {**{e.entry_id: 2 for e in held}, fresh[0].entry_id: 2}
+
+
+def test_the_loop_puts_a_redelivered_entry_on_trial_and_clears_it_with_the_answer(
+        client: redis.Redis, keys: Keys, streams_of: type[ModelStreams]) -> None:
+    admit(client, keys, 1)
+    stream = keys.queue(MODEL, 1)
+    streams_of("first").read(10, None)
+    streams = streams_of("second")
+    [entry] = streams.claim_from(stream, "first", 10)
+    folder = TEST_MODELS / MODEL
+    config = load_model_config(folder)
+    loop = InferenceLoop(config, load_model(config, folder, "cpu"), streams,
+                         Reclaimer(client, keys, MODEL, streams, 5.0),
+                         SharedState(multiprocessing.get_context("spawn")), keys)
+    seen: list[bytes | None] = []
+    predict = loop.model.predict
+
+    def watched(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seen.append(client.hget(keys.suspects(MODEL), "second"))
+        return predict(inputs)
+
+    loop.model.predict = watched  # type: ignore[method-assign]
+    loop.run(Batch([entry], "test", loop.former.layout))
+    streams.settle()
+    assert seen == [entry.entry_id.encode()]
+    assert not client.exists(keys.suspects(MODEL))
+    assert client.xlen(stream) == 0
