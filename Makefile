@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test check chaos fuzz bench deps clean
+.PHONY: run test test-unit test-gpu check chaos fuzz bench deps clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v redis-server >/dev/null || $(MAKE) deps
@@ -21,6 +21,12 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+test-unit: $(VENV)/.installed  ## the in-process tests only: no redis-server, API or Celery processes
+	$(PY) -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
+
+test-gpu: $(VENV)/.installed  ## the GPU tests (tests/gpu/); they skip without a CUDA device
+	$(PY) -m pytest -n 0 -m gpu tests/gpu $(PYTEST_ARGS)
 
 chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to chaos-report.jsonl
 	CONVEYOR_CHAOS_SCALE=5 CONVEYOR_CHAOS_REPORT=chaos-report.jsonl $(PY) -m pytest -m chaos -s tests/test_chaos.py

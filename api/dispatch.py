@@ -39,7 +39,7 @@ REPLY_BATCH = 1024
 POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
-ADMIT_LUA = resources.files("batching").joinpath("lua/admit.lua").read_text()
+REQUEST_ADMIT_LUA = resources.files("batching").joinpath("lua/admit.lua").read_text()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +62,7 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
         self._outbox: list[tuple[Admission, bytes, asyncio.Future[Reply]]] = []
-        self._admit_sha = hashlib.sha1(ADMIT_LUA.encode()).hexdigest()
+        self._admit_sha = hashlib.sha1(REQUEST_ADMIT_LUA.encode()).hexdigest()
         self._pop_command = encode(("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
                                     REPLY_BATCH))
         self._writer: Link | None = None
@@ -153,7 +153,7 @@ class Dispatcher:
             # A new or restarted Redis: EVAL sends the script along and caches it again.
             # Not for a request already answered (its deadline passed): nobody would read
             # its reply, and its entry would hold rows of the queue until a worker got to it.
-            self._writer.write(encode(("EVAL", ADMIT_LUA, 2, admission.rows_key,
+            self._writer.write(encode(("EVAL", REQUEST_ADMIT_LUA, 2, admission.rows_key,
                                        admission.stream, admission.rows, admission.max_rows,
                                        data)),
                                [partial(self._admitted, admission, data, fut)])

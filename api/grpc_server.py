@@ -26,7 +26,7 @@ from api.grpc_codec import infer_response, parameters, parse_request
 from api.kserve import InferRequest
 from api.proto import inference_pb2 as pb
 from api.proto import inference_pb2_grpc as pb_grpc
-from api.repository import Repository
+from api.repository_control import Repository
 from api.routes import check_load_parameters, metadata, server_metadata
 from api.service import InferenceService
 from api.stats import statistics

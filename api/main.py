@@ -19,13 +19,13 @@ from api.grpc_decode import DecodeGuard
 from api.grpc_server import GrpcEndpoint
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
-from api.jobs import jobs_router
+from api.job_routes import jobs_router
 from api.metrics import ApiMetrics
-from api.repository import Repository
+from api.repository_control import Repository
 from api.routes import VERSION, add_routes
 from api.service import InferenceService
 from batching.keys import Keys
-from batching.repository import scan_repository
+from batching.repository_scan import scan_repository
 from batching.settings import Settings
 
 log = logging.getLogger("conveyor.api")

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from api.kserve import json_object
-from api.repository import Repository
+from api.repository_control import Repository
 from api.service import InferenceService
 from api.stats import statistics
 from api.triton_config import triton_config

@@ -34,13 +34,13 @@ class InferenceService:
     bodies: BodyLimits
     """Request body limits, and the places for large bodies this process shares out."""
     unloaded: set[str] = field(default_factory=set)
-    """Models unloaded through the repository API (kept in step by api.repository)."""
+    """Models unloaded through the repository API (kept in step by api.repository_control)."""
     broken: dict[str, str] = field(default_factory=dict)
-    """Model folders whose configuration failed, with the reason (api.repository too)."""
+    """Model folders whose configuration failed, with the reason (api.repository_control too)."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
-        config = self.models.get(name)  # the registry holds valid names only (api.repository)
+        config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
                 raise ModelNotFound(f"model {name!r} is unloaded")

@@ -553,7 +553,7 @@ class Check:
 
     def _backend_raw(self) -> None:
         """conveyor's backend without the serving stack: numpy in, copies, numpy out."""
-        from batching.repository import load_model_config
+        from batching.repository_scan import load_model_config
         from workers.backends import load_model
 
         args = self.args

@@ -1,6 +1,6 @@
 """The Celery configuration the API and the workers share, and the client that sends tasks by name.
 
-The API queues job tasks (:data:`batching.jobs.JOB_TASK`) and the workers run them, so both
+The API queues job tasks (:data:`batching.job_record.JOB_TASK`) and the workers run them, so both
 need the same broker, key prefix, routes, serializers and Redis TLS options, but the API
 must not import :mod:`workers.app`, which pulls in the supervisor, the inference loop and
 the backends. This module is their one home. It lives in ``conveyor/``, beside the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from batching.jobs import JOB_QUEUE, JOB_TASK
+from batching.job_record import JOB_QUEUE, JOB_TASK
 from batching.keys import Keys
 from batching.resp import Address
 from batching.settings import Settings

@@ -24,7 +24,7 @@ import redis
 
 from batching.keys import Keys
 from batching.names import model_folder
-from batching.repository import (
+from batching.repository_scan import (
     as_text,
     parse_record,
     record_value,

@@ -19,7 +19,7 @@ from typing import cast
 
 from api.grpc_listener import BindError
 from api.grpc_server import GrpcEndpoint
-from api.repository import Repository
+from api.repository_control import Repository
 from api.service import InferenceService
 from batching.settings import Settings
 

@@ -15,7 +15,7 @@ import redis
 from batching.envelope import Request, Tensor
 from batching.former import Batch, Entry
 from batching.keys import GROUP, Keys
-from batching.repository import load_model_config
+from batching.repository_scan import load_model_config
 from batching.resp import Address, Connection
 from tests.conftest import TEST_MODELS
 from tests.procs import RedisServer

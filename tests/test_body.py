@@ -320,7 +320,7 @@ def test_an_undeclared_body_takes_a_place_once_it_grows_large() -> None:
 
 
 def test_job_bodies_share_the_places_and_keep_their_own_limit() -> None:
-    from api.jobs import _read_body
+    from api.job_routes import _read_body
 
     async def run(size: int, limit: int) -> tuple[bytes, bool]:
         limits = BodyLimits(MIB, 64 * KIB, 1)

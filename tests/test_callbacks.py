@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 
 from batching.callbacks import AllowList, CallbackRefused, Target, check_callback
-from workers.jobs import deliver, send_callback
+from workers.job_tasks import deliver, send_callback
 
 
 def resolver(table: dict[str, list[str]]):  # type: ignore[no-untyped-def]
@@ -94,7 +94,7 @@ def test_special_ranges_are_refused(address: str) -> None:
         check_callback("http://h.example.com/", AllowList.parse("h.example.com"), dns)
 
 
-# --- Delivery by the job worker (workers.jobs) ---------------------------------------------
+# --- Delivery by the job worker (workers.job_tasks) ---------------------------------------------
 
 class _Hook(BaseHTTPRequestHandler):
     """Answers 302 to /redirect, 200 otherwise; records (path, Host header)."""

@@ -6,7 +6,7 @@ import ssl
 from typing import Any
 from unittest.mock import patch
 
-from batching.jobs import JOB_QUEUE, JOB_TASK
+from batching.job_record import JOB_QUEUE, JOB_TASK
 from batching.settings import Settings
 from conveyor.celery_client import celery_app, send_job
 

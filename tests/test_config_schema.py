@@ -16,7 +16,7 @@ from batching.config import (
     QueueConfig,
     TensorSpec,
 )
-from batching.repository import load_model_config
+from batching.repository_scan import load_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 X = {"name": "x", "datatype": "FP32", "shape": [-1, 4]}

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from batching.keys import Keys
 from batching.names import model_folder, valid_name
-from batching.repository import scan_repository, scrub_paths, stale_entries, status_table
+from batching.repository_scan import scan_repository, scrub_paths, stale_entries, status_table
 from batching.settings import Settings
 from conveyor import cli
 from tests.conftest import TEST_MODELS

@@ -18,7 +18,7 @@ from api.dispatch import Admission, Dispatcher
 from batching.envelope import Reply, Request, Tensor
 from batching.errors import DeadlineExceeded
 from batching.keys import GROUP, Keys
-from batching.repository import load_model_config
+from batching.repository_scan import load_model_config
 from batching.resp import Address, Connection
 from tests.conftest import TEST_MODELS, Stack
 from tests.procs import RedisServer, wait_for

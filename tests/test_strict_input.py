@@ -107,7 +107,7 @@ def test_a_bad_element_is_named_by_its_input() -> None:
 
 @pytest.mark.parametrize("value", ["\u00b2", "+5", " 5", "1_0"])
 def test_job_header_lengths_take_ascii_digits_only(value: str) -> None:
-    from api.jobs import _split
+    from api.job_routes import _split
 
     body = b'{"model":"m"}' + b"\0" * 8
     assert bytes(_split(body, "13")[0]) == b'{"model":"m"}'

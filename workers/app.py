@@ -3,7 +3,7 @@
 JSON and msgpack only (no code-executing serializer). The inference processes are not
 Celery tasks: a bootstep starts them beside the worker, so Celery keeps its main process for control
 commands (:mod:`workers.control`), events and heartbeats, and shows the worker in Flower.
-Job workers (``-Q cv.jobs --no-inference``) run the async job tasks of :mod:`workers.jobs`.
+Job workers (``-Q cv.jobs --no-inference``) run the async job tasks of :mod:`workers.job_tasks`.
 Celery's keys carry the key prefix too, so stacks sharing a Redis stay apart. The broker,
 routes and TLS options come from :mod:`conveyor.celery_client`, which the API sends its tasks with.
 """
@@ -21,7 +21,7 @@ from batching.settings import Settings
 from conveyor.celery_client import celery_app
 from workers import control
 from workers.events import NODE_ENV
-from workers.jobs import JobReaper
+from workers.job_tasks import JobReaper
 from workers.probe import start_probe
 from workers.supervisor import Supervisor
 

@@ -9,7 +9,7 @@ each has one running and the next one queued), so a job uses idle capacity witho
 crowding the queue: an urgent request waits behind at most those few.
 
 Each finished chunk is stored at once, so a job whose worker dies is resumed by another
-from what is done (see :mod:`workers.jobs`). A chunk answered with a deadline or
+from what is done (see :mod:`workers.job_tasks`). A chunk answered with a deadline or
 availability error, or not answered by its deadline, is sent again; any other error
 fails the job. Cancelling withdraws the chunks no worker has read yet.
 """
@@ -31,8 +31,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.envelope import Reply, Request, Tensor
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
-from batching.jobs import (
-    ADMIT_LUA,
+from batching.job_record import (
+    JOB_ADMIT_LUA,
     LEASE_LUA,
     TRANSITION_LUA,
     UNFINISHED,
@@ -106,7 +106,7 @@ class JobRunner:
         self._reply_key = keys.job_replies(record.id)
         self._stream = keys.queue(record.model, record.priority)
         self._rows_key = keys.rows_waiting(record.model)
-        self._admit = client.register_script(ADMIT_LUA)
+        self._admit = client.register_script(JOB_ADMIT_LUA)
         self._withdraw = client.register_script(WITHDRAW_LUA)
         self._transition = client.register_script(TRANSITION_LUA)
         self._lease = client.register_script(LEASE_LUA)

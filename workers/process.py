@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.keys import Keys
 from batching.lifetime import die_with_parent
-from batching.repository import failure_reason, load_model_config
+from batching.repository_scan import failure_reason, load_model_config
 from batching.resp import Address, Connection
 from batching.settings import Settings
 from workers.backends import load_model

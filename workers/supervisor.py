@@ -31,7 +31,7 @@ import redis
 from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.names import model_folder
-from batching.repository import (
+from batching.repository_scan import (
     as_text,
     failure_reason,
     load_model_config,

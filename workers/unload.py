@@ -24,7 +24,7 @@ import redis
 from batching.envelope import Reply
 from batching.errors import ModelNotFound
 from batching.keys import GROUP, Keys
-from batching.repository import parse_record
+from batching.repository_scan import parse_record
 from batching.resp import Address, Connection
 from workers.streams import ModelStreams
 

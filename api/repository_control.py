@@ -30,7 +30,7 @@ from batching.config import ModelConfig
 from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
 from batching.keys import Keys
 from batching.names import model_folder, require_folder, unknown_model
-from batching.repository import (
+from batching.repository_scan import (
     as_text,
     failure_reason,
     is_model_folder,

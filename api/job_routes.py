@@ -36,7 +36,7 @@ from batching.callbacks import AllowList, check_callback
 from batching.config import ModelConfig
 from batching.envelope import Reply
 from batching.errors import InvalidInput, ModelNotFound, Unavailable
-from batching.jobs import (
+from batching.job_record import (
     TRANSITION_LUA,
     UNFINISHED,
     WAKE,
@@ -46,7 +46,7 @@ from batching.jobs import (
     pack_tensors,
     unpack_tensors,
 )
-from batching.repository import as_text
+from batching.repository_scan import as_text
 from batching.settings import Settings
 from conveyor.celery_client import celery_app, send_job
 

@@ -2,7 +2,7 @@
 
     celery -A workers.app worker -Q cv.jobs --no-inference -P threads -c 4
 
-The API stores a job (:mod:`api.jobs`) and sends :func:`run_job` with the job id as the
+The API stores a job (:mod:`api.job_routes`) and sends :func:`run_job` with the job id as the
 task id, so Flower shows each job as one task: STARTED, then PROGRESS events carrying
 ``{"done", "total"}`` (also stored with ``update_state``), then SUCCESS, FAILURE or
 REVOKED (cancelled).
@@ -34,7 +34,7 @@ from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
 
 from batching.callbacks import AllowList, CallbackRefused, Resolver, Target, check_callback, resolve
-from batching.jobs import (
+from batching.job_record import (
     CALLBACK_TASK,
     FINISHED,
     JOB_QUEUE,
@@ -43,7 +43,7 @@ from batching.jobs import (
     JobState,
 )
 from batching.keys import Keys
-from batching.repository import as_text
+from batching.repository_scan import as_text
 from batching.settings import Settings
 from batching.urls import mask_url
 from conveyor.celery_client import send_job

@@ -20,7 +20,7 @@ import msgpack
 import orjson
 
 from batching.envelope import Tensor
-from batching.repository import as_text
+from batching.repository_scan import as_text
 
 JOB_TASK = "conveyor.job"
 CALLBACK_TASK = "conveyor.job_callback"
@@ -30,7 +30,7 @@ WAKE = "wake"
 """The id of the reply the API pushes onto a running job's reply list when it cancels it."""
 
 _LUA = resources.files("batching").joinpath("lua")
-ADMIT_LUA = _LUA.joinpath("job_admit.lua").read_text()
+JOB_ADMIT_LUA = _LUA.joinpath("job_admit.lua").read_text()
 WITHDRAW_LUA = _LUA.joinpath("job_withdraw.lua").read_text()
 TRANSITION_LUA = _LUA.joinpath("job_transition.lua").read_text()
 LEASE_LUA = _LUA.joinpath("job_lease.lua").read_text()
