@@ -29,6 +29,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from batching.backoff import Backoff
 from batching.envelope import Reply, Request, Tensor
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.job_record import (
@@ -116,7 +117,8 @@ class JobRunner:
         self._signature: list[tuple[str, str, tuple[int, ...]]] | None = None
         self._attempts = 0
         self._backoff_until = 0.0
-        self._backoff_s = BACKOFF_S[0]
+        self._refused = Backoff(*BACKOFF_S)
+        """Waits between re-sends of chunks the full queue refused."""
         self._next_check = 0.0
         self._in_flight = settings.job_max_in_flight or MIN_IN_FLIGHT
         self._next_count = 0.0
@@ -142,7 +144,7 @@ class JobRunner:
         return None if before is None else JobState(before.decode())
 
     def run(self) -> JobState:
-        backoff = BACKOFF_S[0]
+        unreachable = Backoff(*BACKOFF_S)
         loaded = False
         while True:
             try:
@@ -152,12 +154,12 @@ class JobRunner:
                 if len(self._stored) == self.record.chunks:
                     return self._finish(JobState.SUCCEEDED)
                 state = self._step()
-                backoff = BACKOFF_S[0]
+                unreachable.reset()
             except REDIS_ERRORS as exc:
+                delay = unreachable.next()
                 log.warning("job %s: Redis unreachable (%s); retrying in %.1fs", self.record.id,
-                            exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_S[1])
+                            exc, delay)
+                time.sleep(delay)
                 self._next_check = 0.0  # the lease may have lapsed meanwhile
                 continue
             except JobFailed as exc:
@@ -274,10 +276,9 @@ class JobRunner:
                                               request.rows, late_at)
         if rejected:  # the queue is full: try again later, with the interactive traffic first
             self._todo.extendleft(reversed(rejected))
-            self._backoff_until = now + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, BACKOFF_S[1])
+            self._backoff_until = now + self._refused.next()
         else:
-            self._backoff_s = BACKOFF_S[0]
+            self._refused.reset()
 
     def _collect(self, now: float) -> None:
         if self._sent:

@@ -33,6 +33,7 @@ from celery import Task, bootsteps, shared_task
 from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
 
+from batching.backoff import nth_delay
 from batching.callbacks import AllowList, CallbackRefused, Resolver, Target, check_callback, resolve
 from batching.job_record import (
     CALLBACK_TASK,
@@ -55,6 +56,7 @@ PROGRESS = "PROGRESS"
 """The Celery state of a running job's task; its meta (and event) carry done and total."""
 PROGRESS_EVERY_S = 0.5
 CALLBACK_RETRIES = 8
+CALLBACK_MAX_DELAY_S = 300
 CALLBACK_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 _stopping = threading.Event()
@@ -183,7 +185,7 @@ def send_callback(self: Task, url: str, body: dict[str, Any]) -> int:
             log.error("job %s: callback to %s failed %d times, giving up: %s", body.get("id"),
                       mask_url(url), retries + 1, exc)
             return 0
-        delay = min(2 ** retries, 300)
+        delay = nth_delay(1, CALLBACK_MAX_DELAY_S, retries)
         log.warning("job %s: callback to %s failed (%s); retrying in %ds", body.get("id"),
                     mask_url(url), exc, delay)
         raise self.retry(countdown=delay) from exc

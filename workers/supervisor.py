@@ -22,12 +22,13 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import redis
 
+from batching.backoff import Backoff
 from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.names import model_folder
@@ -79,7 +80,7 @@ class Slot:
     kill_at: float = 0.0
     restarts: int = 0
     load_failures: int = 0
-    backoff_s: float = BACKOFF_START_S
+    backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_START_S, BACKOFF_MAX_S))
     next_start: float = 0.0
     failed: bool = False
     failed_at: float = 0.0
@@ -226,7 +227,7 @@ class Supervisor:
             self._forget(slot, process)
             return
         if lived >= HEALTHY_AFTER_S:
-            slot.backoff_s = BACKOFF_START_S
+            slot.backoff.reset()
         slot.load_failures = 0 if was_ready else slot.load_failures + 1
         raised = slot.failure.value.decode(errors="replace") if slot.failure is not None else ""
         if raised or slot.load_failures >= MAX_LOAD_FAILURES:
@@ -234,14 +235,15 @@ class Supervisor:
             slot.reason = raised or (f"{slot.model}: its process exited (code "
                                      f"{process.exitcode}) before it was ready, "
                                      f"{slot.load_failures} times in a row")
-        delay = FAILED_RETRY_S if slot.failed else slot.backoff_s
+        delay = slot.backoff.next()
+        if slot.failed:
+            delay = FAILED_RETRY_S
         log.error("inference process %s for %s exited (code %s) after %.1fs; %s, restarting "
                   "in %.1fs", process.pid, slot.model, process.exitcode, lived,
                   f"model marked failed: {slot.reason}" if slot.failed else "replacing it",
                   delay)
         slot.restarts += 1
         slot.next_start = now + delay
-        slot.backoff_s = min(slot.backoff_s * 2, BACKOFF_MAX_S)
         with contextlib.suppress(*REDIS_ERRORS):
             self._redis.hincrby(self.keys.stats(slot.model), "restart_count", 1)
             # Announce the replacement before the dead heartbeat goes: the model is never
@@ -344,7 +346,8 @@ def _retry_failed(slots: list[Slot]) -> None:
     for slot in slots:
         if slot.failed and slot.process is None and not slot.retired:
             slot.failed, slot.reason, slot.load_failures = False, "", 0
-            slot.backoff_s, slot.next_start = BACKOFF_START_S, 0.0
+            slot.next_start = 0.0
+            slot.backoff.reset()
             log.info("retrying %s on %s after a new load", slot.model, slot.device)
 
 
