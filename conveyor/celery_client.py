@@ -20,10 +20,13 @@ from batching.resp import Address
 from batching.settings import Settings
 
 
-def celery_app(settings: Settings) -> Celery:
+def celery_app(settings: Settings, name: str = "conveyor", current: bool = True) -> Celery:
     """A Celery app on the stack's Redis: what a client needs to send tasks, and the
-    workers' base (:mod:`workers.app` adds the worker's own options)."""
-    app = Celery("conveyor", broker=settings.redis_url, backend=settings.redis_url)
+    workers' base (:mod:`workers.app` adds the worker's own options). ``current=False``
+    for a second app in a process (the batch event sender) that must not become the
+    default one."""
+    app = Celery(name, broker=settings.redis_url, backend=settings.redis_url,
+                 set_as_current=current)
     prefix = Keys(settings.key_prefix).celery()
     app.conf.update(
         task_serializer="json",

@@ -27,11 +27,10 @@ from collections import deque
 from typing import Any
 
 import orjson
-from celery import Celery
 
-from batching.keys import Keys
-from batching.resp import Address
+from batching.backoff import Backoff
 from batching.settings import Settings
+from conveyor.celery_client import celery_app
 from workers.inference import BatchListener
 
 log = logging.getLogger("conveyor.events")
@@ -65,15 +64,8 @@ class BatchEvents:
         self.name = task_name(model)
         self.per_flush = max(1, int(settings.batch_events_per_s * FLUSH_S))
         self.hostname = os.environ.get(NODE_ENV) or f"conveyor@{socket.gethostname()}"
-        self.app = Celery("conveyor-events", broker=settings.redis_url, set_as_current=False)
-        self.app.conf.update(
-            event_serializer="json",
-            broker_transport_options={"global_keyprefix": Keys(settings.key_prefix).celery()},
-            broker_connection_retry=False,
-        )
-        tls = Address.from_url(settings.redis_url).ssl_options()
-        if tls is not None:  # rediss://, as the worker's own app (conveyor.celery_client)
-            self.app.conf.broker_use_ssl = tls
+        self.app = celery_app(settings, "conveyor-events", current=False)
+        self.app.conf.broker_connection_retry = False  # the sender drops events and backs off
         self._queue: deque[tuple[float, int, float, str]] = deque(maxlen=QUEUE_LIMIT)
         self._thread = threading.Thread(target=self._run, name="conveyor-batch-events",
                                         daemon=True)
@@ -86,7 +78,7 @@ class BatchEvents:
         self._thread.start()
 
     def _run(self) -> None:
-        backoff = BACKOFF_S[0]
+        backoff = Backoff(*BACKOFF_S)
         while True:
             time.sleep(FLUSH_S)
             if not self._queue:
@@ -98,13 +90,13 @@ class BatchEvents:
                     while True:
                         with dispatcher.producer.batch():
                             self._flush(dispatcher)
-                        backoff = BACKOFF_S[0]
+                        backoff.reset()
                         time.sleep(FLUSH_S)
             except Exception as exc:  # Redis away, or anything else: drop, wait, reconnect
                 self._queue.clear()
-                log.debug("batch events paused (%s); retrying in %.1fs", exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_S[1])
+                delay = backoff.next()
+                log.debug("batch events paused (%s); retrying in %.1fs", exc, delay)
+                time.sleep(delay)
 
     def _flush(self, dispatcher: Any) -> None:
         pending = [self._queue.popleft() for _ in range(len(self._queue))]
