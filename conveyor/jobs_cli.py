@@ -3,7 +3,8 @@
     conveyor jobs submit rows.npy --model digits           # progress bar until it ends
     conveyor jobs submit rows.npz --model digits --no-wait  # print the id and return
     conveyor jobs status ID
-    conveyor jobs result ID -o out.npz
+    conveyor jobs watch ID                                  # progress bar until it ends
+    conveyor jobs result ID -o out.npz                      # .npy, .npz or .json
     conveyor jobs cancel ID
     conveyor jobs list
 
@@ -12,7 +13,8 @@ seen, listed and cancelled only with the key that submitted it (or an admin key)
 
 Arrays (.npy: the model's one input; .npz: one array per input name) travel as binary
 tensors; a .json file is a KServe v2 body (``inputs``, optional ``outputs`` and
-``parameters``) sent as it is.
+``parameters``) sent as it is. A result is saved by the name's suffix: .npy (the one
+output), .npz (one array per output name) or .json (the KServe v2 response body).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FINISHED = ("SUCCEEDED", "FAILED", "CANCELLED")
 POLL_S = 0.5
 BAR_WIDTH = 30
 TIMEOUT_S = 60.0
+SAVED_AS = ".npy (the one output), .npz (every output) or .json (KServe v2 body)"
 
 
 def add_parser(commands: Any) -> None:
@@ -57,12 +60,16 @@ def add_parser(commands: Any) -> None:
                         help="1 (highest) .. the model's levels; 0: the lowest (default)")
     submit.add_argument("--callback-url", help="POSTed the job's status when it ends")
     submit.add_argument("--no-wait", action="store_true", help="print the id and return")
-    submit.add_argument("-o", "--out", type=Path, help="when it succeeds, save the result here")
+    submit.add_argument("-o", "--out", type=Path, help=f"when it succeeds, save the result: {SAVED_AS}")
     status = sub.add_parser("status", parents=[common], help="print a job's state and progress")
     status.add_argument("id")
+    watch = sub.add_parser("watch", parents=[common],
+                           help="wait for a job to end, with a progress bar; 0 only if it succeeded")
+    watch.add_argument("id")
+    watch.add_argument("-o", "--out", type=Path, help=f"when it succeeds, save the result: {SAVED_AS}")
     result = sub.add_parser("result", parents=[common], help="fetch a finished job's result")
     result.add_argument("id")
-    result.add_argument("-o", "--out", type=Path, help=".npz (arrays) or .json (KServe v2)")
+    result.add_argument("-o", "--out", type=Path, help=SAVED_AS)
     cancel = sub.add_parser("cancel", parents=[common], help="cancel a job")
     cancel.add_argument("id")
     listing = sub.add_parser("list", parents=[common], help="list your most recent jobs")
@@ -78,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
                 return _submit(client, args)
             if args.action == "status":
                 return _print(_call(client, "GET", f"/v1/jobs/{args.id}"))
+            if args.action == "watch":
+                return _await(client, args.id, args.out)
             if args.action == "result":
-                return _result(client, args.id, args.out)
+                return save_result(client, args.id, args.out)
             if args.action == "list":
                 return _print(_call(client, "GET", "/v1/jobs", params={"limit": args.limit}))
             return _print(_call(client, "DELETE", f"/v1/jobs/{args.id}"))
@@ -119,6 +128,8 @@ def _print(body: dict[str, Any]) -> int:
 
 
 def _submit(client: httpx.Client, args: argparse.Namespace) -> int:
+    if args.out is not None:
+        _save_format(args.out)  # a name we cannot save to fails before the job is queued
     parameters: dict[str, Any] = {"priority": args.priority}
     if args.callback_url:
         parameters["callback_url"] = args.callback_url
@@ -128,15 +139,22 @@ def _submit(client: httpx.Client, args: argparse.Namespace) -> int:
         print(job["id"])
         return 0
     print(f"job {job['id']}", file=sys.stderr)
+    return _await(client, job["id"], args.out)
+
+
+def _await(client: httpx.Client, job_id: str, out: Path | None) -> int:
+    """Watch the job to its end, print its status, and save its result if it succeeded."""
+    if out is not None:
+        _save_format(out)
     try:
-        status = _watch(client, job["id"])
+        status = _watch(client, job_id)
     except KeyboardInterrupt:
-        print(f"\nthe job goes on; `conveyor jobs cancel {job['id']}` stops it", file=sys.stderr)
+        print(f"\nthe job goes on; `conveyor jobs cancel {job_id}` stops it", file=sys.stderr)
         return 130
     _print(status)
     if status["state"] != "SUCCEEDED":
         return 1
-    return _result(client, job["id"], args.out) if args.out else 0
+    return save_result(client, job_id, out) if out else 0
 
 
 def _body(client: httpx.Client, args: argparse.Namespace,
@@ -194,19 +212,38 @@ def _watch(client: httpx.Client, job_id: str) -> dict[str, Any]:
         time.sleep(POLL_S)
 
 
-def _result(client: httpx.Client, job_id: str, out: Path | None) -> int:
-    """Print the result (JSON), or save it: .npz as arrays, anything else as the JSON body."""
+def _save_format(out: Path) -> str:
+    """The form a result saved as ``out`` takes, from its suffix: a file named .npy holds
+    what ``np.load`` reads, never JSON."""
+    suffix = out.suffix.lower()
+    if suffix not in (".npy", ".npz", ".json"):
+        raise CliError(f"-o {out}: name a .npy (the one output), .npz (every output) "
+                       "or .json (the KServe v2 body) file")
+    return suffix
+
+
+def save_result(client: httpx.Client, job_id: str, out: Path | None) -> int:
+    """Print the result (JSON), or save it by ``out``'s suffix: .npy holds the one output,
+    .npz every output by name, .json the KServe v2 response body."""
     if out is None:
         return _print(_call(client, "GET", f"/v1/jobs/{job_id}/result"))
-    binary = out.suffix == ".npz"
-    response = client.get(f"/v1/jobs/{job_id}/result",
-                          params={"binary_data_output": "true"} if binary else None)
-    _check(response)
-    if binary:
-        np.savez(out, **read_binary_response(
-            response.content, int(response.headers["inference-header-content-length"])))
-    else:
+    suffix = _save_format(out)
+    if suffix == ".json":
+        response = client.get(f"/v1/jobs/{job_id}/result")
+        _check(response)
         out.write_bytes(response.content)
+    else:
+        response = client.get(f"/v1/jobs/{job_id}/result", params={"binary_data_output": "true"})
+        _check(response)
+        arrays = read_binary_response(response.content,
+                                      int(response.headers["inference-header-content-length"]))
+        if suffix == ".npz":
+            np.savez(out, allow_pickle=False, **arrays)
+        elif len(arrays) == 1:
+            np.save(out, next(iter(arrays.values())))
+        else:
+            raise CliError(f"job {job_id} has {len(arrays)} outputs ({', '.join(arrays)}): save "
+                           "them as .npz, or submit with --output NAME to keep one")
     print(f"saved {out}", file=sys.stderr)
     return 0
 
