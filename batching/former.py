@@ -143,6 +143,8 @@ def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
 class BatchFormer:
     policy: Policy
     max_rows: int
+    """The configured ``max_batch_size``; the inference loop passes a lower run-time bound
+    to :meth:`take`."""
     layout: Layout = field(default_factory=Layout)
     max_cost: float | None = None
     """Bound on the summed ``cost`` parameter of a batch's requests (a request's cost

@@ -18,8 +18,13 @@ class Decision:
 
 
 class Policy(Protocol):
+    """A policy's own ``max_rows`` is the configured ``max_batch_size`` and never changes;
+    a lower bound set at run time reaches it through ``row_cap``, which the inference loop's
+    row cap (the one owner of the bound) publishes."""
+
     row_cap: int | None
-    """Largest batch this instance may run (learned from out-of-memory errors); None: no cap."""
+    """Largest batch this instance may run (learned from out-of-memory errors, never above
+    the run-time batch size bound); None: no cap."""
 
     def decide(self, now: float, rows: int, first_seen: float, earliest_deadline: float) -> Decision:
         """``rows`` waiting in the head shape group; ``first_seen``: when its oldest was read."""
@@ -36,6 +41,14 @@ class Policy(Protocol):
     def estimates(self) -> dict[str, float]:
         """The policy's current estimates, for metrics (empty when it keeps none)."""
         ...
+
+
+class TunablePolicy(Policy, Protocol):
+    """A policy whose window the inference loop may change at run time (Celery's
+    ``conveyor_set_batching``): the ones :func:`batching.policy_choice.make_policy` builds."""
+
+    max_delay_s: float
+    """``max_queue_delay_us`` in seconds: the longest a batch waits for more rows."""
 
 
 def effective_cap(max_rows: int, row_cap: int | None) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from batching.adaptive import AdaptivePolicy
 from batching.config import ModelConfig
-from batching.policy import FixedWindow, Policy
+from batching.policy import FixedWindow, TunablePolicy
 
 
-def make_policy(config: ModelConfig) -> Policy:
+def make_policy(config: ModelConfig) -> TunablePolicy:
     """The policy of one inference instance: adaptive, or Triton's fixed window."""
     batching = config.batching
     delay_s = batching.max_queue_delay_us / 1e6

@@ -38,10 +38,8 @@ from workers.backends import (
     is_fatal_device_error,
     is_out_of_memory,
 )
-from workers.reconcile import RowsReconciler
-from workers.recovery import Reclaimer
 from workers.shared_state import SharedState
-from workers.streams import ModelStreams
+from workers.stream_port import ReclaimPort, StreamPort
 
 log = logging.getLogger("conveyor.inference")
 
@@ -67,14 +65,17 @@ class DeviceLost(Exception):
 
 
 class InferenceLoop:
-    def __init__(self, config: ModelConfig, model: LoadedModel, streams: ModelStreams,
-                 reclaimer: Reclaimer, shared: SharedState, keys: Keys) -> None:
+    """One model instance's loop. ``streams`` and ``reclaimer`` are its Redis side
+    (:class:`workers.streams.ModelStreams`, :class:`workers.recovery.Reclaimer`) or, in
+    unit tests, their in-memory stand-ins (:mod:`workers.memory_streams`)."""
+
+    def __init__(self, config: ModelConfig, model: LoadedModel, streams: StreamPort,
+                 reclaimer: ReclaimPort, shared: SharedState, keys: Keys) -> None:
         self.config = config
         self.model = model
         self.streams = streams
         self.reclaimer = reclaimer
-        self.reconciler = RowsReconciler(reclaimer.client, streams.rows_key, streams.streams,
-                                         config.max_batch_size)
+        self.reconciler = streams.reconciler(config.max_batch_size)
         streams.on_data_lost = self.reconciler.suspect
         self.shared = shared
         self.dlq = keys.dead_letter(config.name)
@@ -82,7 +83,11 @@ class InferenceLoop:
         self.former = BatchFormer(self.policy, config.max_batch_size, Layout.of(config),
                                   config.max_batch_cost)
         self.row_cap = RowCap(config.max_batch_size)
-        self.max_rows = config.max_batch_size
+        """The one owner of the batch size bound: ``limit`` is ``max_batch_size`` (lowered
+        at run time by :meth:`apply_control`), ``cap`` the rows the device has shown it
+        holds, never above ``limit``. The policy and the former keep the configured bound
+        and get the run-time one from here: the policy as its ``row_cap``, the former with
+        each :meth:`BatchFormer.take`."""
         self.events: BatchListener = _no_events
         self.stopping = False
         self._lone = False
@@ -104,7 +109,6 @@ class InferenceLoop:
             self.policy.max_delay_s = max(0, int(overrides["max_queue_delay_us"])) / 1e6
         if "max_batch_size" in overrides:
             rows = min(max(1, int(overrides["max_batch_size"])), self.config.max_batch_size)
-            self.max_rows = self.policy.max_rows = self.former.max_rows = rows
             self.row_cap.limit = rows
             self.row_cap.cap = min(self.row_cap.cap, rows)
             self._publish_cap()
@@ -112,7 +116,7 @@ class InferenceLoop:
     def stats(self) -> dict[str, float]:
         return {"batches": self.batches, "rows": self.rows,
                 "mean_batch": self.rows / self.batches if self.batches else 0.0,
-                "row_cap": self.row_cap.cap, "max_batch_size": self.max_rows,
+                "row_cap": self.row_cap.cap, "max_batch_size": self.row_cap.limit,
                 "max_queue_delay_us": int(self.policy.max_delay_s * 1e6)}
 
     def step(self) -> None:
@@ -126,14 +130,15 @@ class InferenceLoop:
             raise
 
     def _step(self) -> None:
-        room = self.max_rows - self.former.pending_rows
+        bound = self.row_cap.limit
+        room = bound - self.former.pending_rows
         now = time.time()
         if not self.stopping and self.reconciler.due(now):
             self.reconciler.run(now)
         if not self.stopping and room > 0:
             if self.reclaimer.due(now):
                 self._admit(self.reclaimer.poll(now, room))
-                room = self.max_rows - self.former.pending_rows
+                room = bound - self.former.pending_rows
             block = None
             if len(self.former) == 0:
                 self.streams.flush_counts()
@@ -150,7 +155,7 @@ class InferenceLoop:
             # Full of lower-priority work (job chunks, say): still let urgent requests in,
             # or they would wait behind everything this process has already read.
             urgent = self.streams.streams[:self.former.best_priority - 1]
-            self._arrived(self.streams.read(self.max_rows, None, urgent))
+            self._arrived(self.streams.read(bound, None, urgent))
             now = time.time()
         expired = self.former.take_expired(now)
         if expired:

@@ -25,6 +25,7 @@ from batching.envelope import FIELD, ROWS_FIELD, Reply, Request
 from batching.former import Entry
 from batching.keys import GROUP
 from batching.resp import Command, Connection, RespError
+from workers.reconcile import RowsReconciler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class ModelStreams:
             raise exc
         self.ensure_groups()
         self.on_data_lost("a consumer group was gone")
+
+    def reconciler(self, max_entry_rows: int) -> RowsReconciler:
+        """What keeps the rows-waiting counter true to these streams (``max_entry_rows``:
+        the model's ``max_batch_size``), on the same Redis client."""
+        return RowsReconciler(self._redis, self.rows_key, self.streams, max_entry_rows)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (from the start: nothing is skipped)."""
