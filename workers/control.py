@@ -113,7 +113,8 @@ def conveyor_set_batching(state: Any, model: str, max_queue_delay_us: int | None
         return {"error": f"max_batch_size must be within 1..{config.max_batch_size} "
                          "(the configured bound)"}
     try:
-        _redis.hset(Keys(_supervisor.settings.key_prefix).control(model), mapping=given)
+        _redis.hset(Keys(_supervisor.settings.key_prefix).control(model),
+                    mapping={k: v for k, v in given.items()})
     except REDIS_ERRORS as exc:
         return {"error": f"Redis unreachable: {exc}"}
     return {"ok": True, "model": model, "set": given}

@@ -177,20 +177,20 @@ class JobRunner:
         done = [int(i) for i in self.client.hkeys(self.keys.job_chunks(self.record.id))]
         self._stored = set(done)
         data = self.client.get(self.keys.job_input(self.record.id))
-        if data is None:
+        if not isinstance(data, bytes):
             raise JobFailed("the job's inputs are gone (expired)")
         self.rows = Rows(unpack_tensors(data), self.record.chunk_rows)
         self._todo = deque(i for i in range(self.record.chunks) if i not in self._stored)
         if done:
             first = self.client.hget(self.keys.job_chunks(self.record.id), done[0])
-            self._signature = signature(unpack_tensors(first)) if first else None
+            self._signature = (signature(unpack_tensors(first)) if isinstance(first, bytes)
+                               else None)
             log.info("job %s resumes: %d of %d chunks done", self.record.id, len(done),
                      self.record.chunks)
         self.record.done = sum(self.rows.rows(i) for i in self._stored)
         self.client.hset(self._job_key, "done", self.record.done)
         # Replies to the chunks an earlier run had in flight: take them before resending.
-        self._take(self.client.execute_command("LMPOP", 1, self._reply_key, "LEFT", "COUNT",
-                                               REPLY_BATCH))
+        self._take(self.client.lmpop(1, self._reply_key, direction="LEFT", count=REPLY_BATCH))
 
     def _step(self) -> JobState | None:
         now = time.monotonic()
@@ -287,8 +287,8 @@ class JobRunner:
             timeout = max(0.01, min(WAIT_S, self._backoff_until - now))
         else:
             return
-        self._take(self.client.execute_command("BLMPOP", timeout, 1, self._reply_key, "LEFT",
-                                               "COUNT", REPLY_BATCH))
+        self._take(self.client.blmpop(timeout, 1, self._reply_key, direction="LEFT",
+                                      count=REPLY_BATCH))
 
     def _take(self, popped: Any) -> None:
         """Store the chunks a popped batch of replies answers; re-queue the retriable."""

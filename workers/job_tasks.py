@@ -88,7 +88,7 @@ def context() -> JobContext:
 
 
 @shared_task(name=JOB_TASK, bind=True, acks_late=True, ignore_result=False)
-def run_job(self: Task, job_id: str, takeover: str = "") -> dict[str, Any]:
+def run_job(self: Task[Any, Any], job_id: str, takeover: str = "") -> dict[str, Any]:
     """Run job ``job_id`` to its end (``takeover``: the reaper's lease token, if it resent it)."""
     ctx = context()
     record = ctx.record(job_id)
@@ -133,7 +133,7 @@ class JobError(Exception):
 class _Progress:
     """Reports progress to Celery: ``update_state`` and a task event, at most twice a second."""
 
-    def __init__(self, task: Task) -> None:
+    def __init__(self, task: Task[Any, Any]) -> None:
         self.task = task
         self._next = 0.0
 
@@ -150,7 +150,7 @@ class _Progress:
             log.debug("progress report failed: %s", exc)
 
 
-def _revoked(task: Task) -> None:
+def _revoked(task: Task[Any, Any]) -> None:
     """Show the cancelled job's task as REVOKED in the result backend and in Flower."""
     task.update_state(state="REVOKED", meta={"reason": "cancelled"})
     task.send_event("task-revoked", terminated=False, expired=False, signum=None)
@@ -167,7 +167,7 @@ def _notify(ctx: JobContext, record: JobRecord) -> None:
 
 
 @shared_task(name=CALLBACK_TASK, bind=True, acks_late=True, max_retries=CALLBACK_RETRIES)
-def send_callback(self: Task, url: str, body: dict[str, Any]) -> int:
+def send_callback(self: Task[Any, Any], url: str, body: dict[str, Any]) -> int:
     """POST the finished job's status to its ``callback_url``, retried with back-off.
 
     The URL is checked against the callback policy again first (the allowed hosts may
