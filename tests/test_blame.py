@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -40,7 +40,7 @@ def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def streams_of(redis_server: RedisServer, keys: Keys) -> Iterator[type[ModelStreams]]:
+def streams_of(redis_server: RedisServer, keys: Keys) -> Iterator[Callable[[str], ModelStreams]]:
     opened: list[redis.Redis | Connection] = []
 
     def make(consumer: str) -> ModelStreams:
@@ -53,7 +53,7 @@ def streams_of(redis_server: RedisServer, keys: Keys) -> Iterator[type[ModelStre
         streams.ensure_groups()
         return streams
 
-    yield make  # type: ignore[misc]
+    yield make
     for each in opened:
         each.close()
 
@@ -70,7 +70,7 @@ def by_id(entries: list[Entry]) -> dict[str, int]:
 
 
 def test_a_death_counts_only_against_the_entry_running_alone(
-        client: redis.Redis, keys: Keys, streams_of: type[ModelStreams]) -> None:
+        client: redis.Redis, keys: Keys, streams_of: Callable[[str], ModelStreams]) -> None:
     admit(client, keys, 3)
     stream = keys.queue(MODEL, 1)
     first = streams_of("first").read(10, None)
@@ -90,7 +90,7 @@ def test_a_death_counts_only_against_the_entry_running_alone(
 
 
 def test_a_death_with_nothing_on_trial_does_not_count_against_held_redeliveries(
-        client: redis.Redis, keys: Keys, streams_of: type[ModelStreams]) -> None:
+        client: redis.Redis, keys: Keys, streams_of: Callable[[str], ModelStreams]) -> None:
     admit(client, keys, 2)
     stream = keys.queue(MODEL, 1)
     streams_of("first").read(10, None)
@@ -102,7 +102,7 @@ def test_a_death_with_nothing_on_trial_does_not_count_against_held_redeliveries(
 
 
 def test_the_loop_puts_a_redelivered_entry_on_trial_and_clears_it_with_the_answer(
-        client: redis.Redis, keys: Keys, streams_of: type[ModelStreams]) -> None:
+        client: redis.Redis, keys: Keys, streams_of: Callable[[str], ModelStreams]) -> None:
     admit(client, keys, 1)
     stream = keys.queue(MODEL, 1)
     streams_of("first").read(10, None)
