@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from api.dispatch import Dispatcher
+from api.dispatch_port import DispatchPort
 from batching.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class ModelWorkers:
 
 
 class WorkerWatch:
-    def __init__(self, dispatcher: Dispatcher, keys: Keys, models: Collection[str],
+    def __init__(self, dispatcher: DispatchPort, keys: Keys, models: Collection[str],
                  interval_s: float, stale_s: float, broken: Collection[str] = ()) -> None:
         """``models`` is read live (the API's registry): loads and unloads show up here.
         ``broken``, read live too, holds the model folders whose configuration failed."""

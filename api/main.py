@@ -1,5 +1,11 @@
-"""The API process: ``uvicorn api.main:app`` (HTTP, port 8000 by convention), and gRPC on
-``settings.grpc_port`` (8001) served from the same event loop."""
+"""The API application, built by :func:`create_app`: ``python -m api.serve`` (HTTP on
+``CONVEYOR_HTTP_PORT``, 8000) or ``uvicorn --factory api.main:create_app``, with gRPC on
+``settings.grpc_port`` (8001) served from the same event loop.
+
+Importing this module builds nothing: no settings read, no repository scan, no Redis
+client and no gRPC module (``api.proto``) until ``create_app`` runs, so tests build the
+application in-process with their own settings and dispatcher (tests/unit).
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,16 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from api.auth import Guard, KeyStore
-from api.auth_grpc import AuthInterceptor
 from api.auth_http import AuthGuard
 from api.body import BodyLimits
 from api.dispatch import Dispatcher
-from api.grpc_decode import DecodeGuard
-from api.grpc_server import GrpcEndpoint
+from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
 from api.job_routes import jobs_router
@@ -28,15 +34,31 @@ from batching.keys import Keys
 from batching.repository_scan import scan_repository
 from batching.settings import Settings
 
+if TYPE_CHECKING:
+    from api.grpc_server import GrpcEndpoint
+
 log = logging.getLogger("conveyor.api")
 
 
-def create_app(settings: Settings | None = None) -> ASGIApp:
+DOCS_ASSETS = "/docs/assets"
+"""Where the Swagger UI and ReDoc scripts are served from (package fastapi-offline), so
+``/docs`` and ``/redoc`` render without reaching a CDN."""
+
+
+def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None = None,
+               *, grpc: bool = True) -> ASGIApp:
+    """The API as one ASGI application: ``AuthGuard(InferRoute(FastAPI app))``.
+
+    ``settings`` default to the environment's and ``dispatcher`` to Redis at
+    ``settings.redis_url``; ``grpc=False`` leaves the gRPC listener out (and unimported),
+    for tests that serve HTTP only.
+    """
     settings = settings or Settings()
     keys = Keys(settings.key_prefix)
     scan = scan_repository(settings.model_repository, settings.model_filter() or None)
     models = scan.models
-    dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6)
+    if dispatcher is None:
+        dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6)
     watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
                         settings.heartbeat_stale_s, broken=scan.failed)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
@@ -45,28 +67,38 @@ def create_app(settings: Settings | None = None) -> ASGIApp:
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
                             failed=scan.failed, control=settings.model_control == "explicit")
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
-    grpc_endpoint = GrpcEndpoint(service, repository, settings,
-                                 [AuthInterceptor(guard), DecodeGuard()])
+    grpc_endpoint = grpc_server(service, repository, settings, guard) if grpc else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await dispatcher.start()
         await repository.start()
         await watch.start()
-        await grpc_endpoint.start()
+        if grpc_endpoint is not None:
+            await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again (p99, docs/data-path.md section 7)
         yield
-        await grpc_endpoint.close()
+        if grpc_endpoint is not None:
+            await grpc_endpoint.close()
         await repository.close()
         await watch.close()
         await dispatcher.close()
 
-    app = FastAPI(title="conveyor", version=VERSION, lifespan=lifespan)
+    app: FastAPI = FastAPIOffline(title="conveyor", version=VERSION, lifespan=lifespan,
+                                  static_url=DOCS_ASSETS)
     add_routes(app, service, repository)
     app.include_router(jobs_router(service, settings))
     return AuthGuard(InferRoute(app, service), guard)
 
 
-app = create_app()
+def grpc_server(service: InferenceService, repository: Repository, settings: Settings,
+                guard: Guard) -> GrpcEndpoint:
+    """The gRPC endpoint, imported only here: its generated ``api.proto`` module is loaded
+    by the processes that serve gRPC, never by those that only build the HTTP app."""
+    from api.auth_grpc import AuthInterceptor
+    from api.grpc_decode import DecodeGuard
+    from api.grpc_server import GrpcEndpoint
+
+    return GrpcEndpoint(service, repository, settings, [AuthInterceptor(guard), DecodeGuard()])

@@ -24,7 +24,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from api.dispatch import Dispatcher
+from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from batching.config import ModelConfig
 from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
@@ -54,7 +54,7 @@ CONTROL_DISABLED = ("explicit model load / unload is not allowed: model control 
 
 class Repository:
     def __init__(self, root: Path, only: set[str] | None, models: dict[str, ModelConfig],
-                 unloaded: set[str], dispatcher: Dispatcher, watch: WorkerWatch, keys: Keys,
+                 unloaded: set[str], dispatcher: DispatchPort, watch: WorkerWatch, keys: Keys,
                  interval_s: float, failed: dict[str, str] | None = None,
                  control: bool = False) -> None:
         """``failed`` (model -> reason) is shared with the service and the worker watch;

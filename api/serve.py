@@ -1,10 +1,11 @@
 """The API process entry point: ``python -m api.serve``.
 
-uvicorn, built here rather than from its command line, serves :data:`api.main.app` on
-``CONVEYOR_HOST``:``CONVEYOR_HTTP_PORT`` with the connection guards of
-:mod:`api.http_guard`, TLS when ``CONVEYOR_TLS_CERT_FILE`` and ``CONVEYOR_TLS_KEY_FILE``
-are set, and no access log; gRPC starts with the application (``api.main``). It refuses
-to start (exit status 2) on an address beyond loopback without API keys.
+uvicorn, built here rather than from its command line, serves the application of
+:func:`api.main.create_app` on ``CONVEYOR_HOST``:``CONVEYOR_HTTP_PORT`` with the
+connection guards of :mod:`api.http_guard`, TLS when ``CONVEYOR_TLS_CERT_FILE`` and
+``CONVEYOR_TLS_KEY_FILE`` are set, and no access log; gRPC starts with the application
+(``api.main``). It refuses to start (exit status 2) on an address beyond loopback
+without API keys.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def main() -> int:
     if refusal is not None:
         print(f"conveyor API: refusing to start: {refusal}", file=sys.stderr)
         return EXIT_REFUSED
-    from api.main import app  # builds the application: only once the binding is allowed
+    from api.main import create_app  # a refused start loads nothing of the application
 
-    server = uvicorn.Server(config(settings, app))
+    server = uvicorn.Server(config(settings, create_app(settings)))
     server.run()
     return 0 if server.started else STARTUP_FAILURE
 

@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from api.body import BodyLimits
-from api.dispatch import Admission, Dispatcher
+from api.dispatch import Admission
+from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.kserve import InferRequest
 from api.metrics import ApiMetrics
@@ -27,7 +28,7 @@ UNKNOWN_MODEL = "_unknown"
 @dataclass(slots=True)
 class InferenceService:
     models: dict[str, ModelConfig]
-    dispatcher: Dispatcher
+    dispatcher: DispatchPort
     watch: WorkerWatch
     keys: Keys
     metrics: ApiMetrics

@@ -1,6 +1,9 @@
 """Fixtures: a real redis-server per test session (on a free port), real API and workers.
 
 Each stack gets its own key prefix, so stacks sharing one Redis never see each other.
+Every test that starts a process (these fixtures, tests/procs.py, any subprocess) is
+marked ``integration`` at collection (tests/integration_marks.py); ``make test-unit``
+leaves those out.
 """
 
 from __future__ import annotations
@@ -14,10 +17,19 @@ import httpx
 import pytest
 import redis
 
+from tests.integration_marks import starts_processes
 from tests.procs import ROOT, Proc, RedisServer, service_env, start_api, start_worker, wait_for
 
 TEST_MODELS = ROOT / "tests" / "models"
 MODELS = ROOT / "models"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    known: dict[int, bool] = {}
+    for item in items:
+        if item.get_closest_marker("integration") is None and starts_processes(item, known):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

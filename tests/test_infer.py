@@ -1,4 +1,7 @@
-"""The request path end to end: real redis-server, real API and Celery worker processes."""
+"""The request path end to end: real redis-server, real API and Celery worker processes.
+
+What the API answers by itself (parsing, unknown models, metadata, its metrics) is tested
+in-process in tests/unit/test_app_http.py."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 
 from batching.keys import Keys
 from tests.conftest import Stack
@@ -54,48 +56,6 @@ def test_requested_outputs_only(echo_stack: Stack) -> None:
     assert [o["name"] for o in response.json()["outputs"]] == ["batch_rows"]
 
 
-@pytest.mark.parametrize("payload,status,message", [
-    ({"inputs": [{"name": "z", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}]},
-     400, "unknown input 'z'"),
-    ({"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 4], "data": [0] * 4}]},
-     400, "datatype INT32, expected FP32"),
-    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4], "data": [0] * 4}]},
-     400, "rank 1, expected rank 2"),
-    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]},
-     400, "dim 1 is 5, expected 4"),
-    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 3}]},
-     400, "3 elements of data do not fill shape"),
-    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": ["a"] * 4}]},
-     400, "input 'x': data is not FP32"),
-    ({"inputs": []}, 400, "non-empty list"),
-    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}],
-      "outputs": [{"name": "nope"}]}, 400, "unknown output 'nope'"),
-])
-def test_bad_input_gets_a_precise_400(echo_stack: Stack, payload: dict, status: int,
-                                      message: str) -> None:
-    response = infer(echo_stack.url, "echo", payload)
-    assert response.status_code == status
-    assert message in response.json()["error"]
-
-
-def test_malformed_json_is_400(echo_stack: Stack) -> None:
-    response = httpx.post(f"{echo_stack.url}/v2/models/echo/infer", content=b"{nope")
-    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]
-
-
-def test_unknown_model_is_404(echo_stack: Stack) -> None:
-    response = infer(echo_stack.url, "missing", body(np.ones((1, 4), np.float32)))
-    assert response.status_code == 404
-    assert response.json() == {"error": "unknown model 'missing'"}
-    assert httpx.get(f"{echo_stack.url}/v2/models/missing").status_code == 404
-
-
-def test_metadata_describes_the_signature(echo_stack: Stack) -> None:
-    meta = httpx.get(f"{echo_stack.url}/v2/models/echo").json()
-    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
-    assert httpx.get(f"{echo_stack.url}/v2").json()["name"] == "conveyor"
-
-
 def executed(stack: Stack) -> list[float]:
     path = Path(stack.extra_env["ECHO_LOG"])
     return [float(v) for v in path.read_text().split()] if path.exists() else []
@@ -122,16 +82,6 @@ def test_expired_requests_get_504_and_never_run(echo_stack: Stack) -> None:
     assert marker_late not in executed(echo_stack)
     queue = echo_stack.redis().xlen(f"{echo_stack.prefix}:{{slow}}:q:2")
     assert queue == 0
-
-
-def test_metrics_count_outcomes_and_batch_sizes(echo_stack: Stack) -> None:
-    infer(echo_stack.url, "echo", body(np.ones((1, 4), np.float32)))
-    text = httpx.get(f"{echo_stack.url}/metrics").text
-    assert 'conveyor_requests_total{model="echo",outcome="success"}' in text
-    assert 'conveyor_requests_total{model="echo",outcome="invalid_input"}' in text
-    assert "conveyor_request_duration_seconds_bucket" in text
-    assert 'conveyor_queue_duration_seconds_count{model="echo"}' in text
-    assert 'conveyor_batch_size_bucket{le="1.0",model="echo"}' in text
 
 
 def test_an_unreadable_entry_is_dropped_and_releases_its_rows(echo_stack: Stack) -> None:
