@@ -6,6 +6,7 @@ against a real stack is in tests/test_jobs.py and tests/test_docs_examples.py.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from batching.datatypes import from_numpy, to_raw
-from conveyor.cli import main
+from conveyor import jobs_cli
 
 JOB = "5eb808f23e324057a8bca71219c52570"
 PROBABILITIES = np.arange(20, dtype=np.float32).reshape(2, 10)
@@ -75,7 +76,11 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Callable[[Api], Api]:
 
 
 def _jobs(*args: str) -> int:
-    return main(["jobs", *args, "--url", "http://conveyor.test"])
+    """``conveyor jobs ARGS`` as the console script parses it (without conveyor.cli, which
+    names the launcher, so this module stays in-process)."""
+    parser = argparse.ArgumentParser(prog="conveyor")
+    jobs_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return jobs_cli.run(parser.parse_args(["jobs", *args, "--url", "http://conveyor.test"]))
 
 
 def test_result_to_npy_saves_the_one_output_as_an_array(serve: Callable[[Api], Api],
