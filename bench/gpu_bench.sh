@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Run bench/gpu_check.py on a GPU machine that has PyTorch (CUDA), torchvision and numpy
+# Run bench/gpu_bench.py on a GPU machine that has PyTorch (CUDA), torchvision and numpy
 # but no redis-server, no conveyor dependencies and no network.
 #
 # Prepare on a machine with network, in the repository root (both folders are ignored
 # through .git/info/exclude, and travel with the tree):
 #   mkdir -p .gpu/debs .gpu/debs-fallback .gpu/whl .gpu/src
 #   git archive HEAD | tar -x -C .gpu/src && git rev-parse HEAD >.gpu/src/COMMIT \
-#       && cp bench/gpu_check.py bench/gpu_check.sh .gpu/src/bench/    # optional snapshot
+#       && cp bench/gpu_*.py bench/gpu_bench.sh .gpu/src/bench/    # optional snapshot
 #   (cd .gpu/debs && apt-get download redis-server redis-tools libjemalloc2 liblzf1)
 #   (cd .gpu/debs-fallback && apt-get download libatomic1 libssl3 libsystemd0 libcap2 \
 #        libgcrypt20 libgpg-error0 liblz4-1 liblzma5 libzstd1)   # used only if ldd misses them
@@ -14,14 +14,14 @@
 #       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .gpu/whl fastapi starlette ... (the list in bench/RESULTS.md, "GPU (H200)")
 #
-# Usage: bash bench/gpu_check.sh [gpu_check.py arguments]   (OUT: where results go)
+# Usage: bash bench/gpu_bench.sh [gpu_bench.py arguments]   (OUT: where results go)
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 GPU=${GPU_DIR:-$ROOT/.gpu}
 # A snapshot of one commit (git archive HEAD | tar -x -C .gpu/src, plus these two files)
 # runs in place of the working tree when present: the tree may be mid-edit.
-if [ -z "${GPU_NO_SNAPSHOT:-}" ] && [ -f "$GPU/src/bench/gpu_check.py" ]; then
+if [ -z "${GPU_NO_SNAPSHOT:-}" ] && [ -f "$GPU/src/bench/gpu_bench.py" ]; then
     ROOT=$(cd "$GPU/src" && pwd); cd "$ROOT"
     echo "== running the snapshot in $ROOT (commit $(cat COMMIT 2>/dev/null || echo '?'))"
 fi
@@ -96,7 +96,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,utilization.
 echo "== setup took $(( $(date +%s) - t0 ))s"
 
 # The check time-boxes itself (--budget-s, default 330 s); this is the hard stop.
-timeout -k 10 ${GPU_CHECK_TIMEOUT:-360} "$PY" -u -m bench.gpu_check --out "$OUT" "$@"
+timeout -k 10 ${GPU_CHECK_TIMEOUT:-360} "$PY" -u -m bench.gpu_bench --out "$OUT" "$@"
 rc=$?
-echo "== gpu_check exit $rc after $(( $(date +%s) - t0 ))s"
+echo "== gpu_bench exit $rc after $(( $(date +%s) - t0 ))s"
 exit $rc

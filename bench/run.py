@@ -18,16 +18,13 @@ import json
 import os
 import random
 import resource
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,16 +33,11 @@ from typing import Any, TypedDict
 from bench.grpc_load import run_load
 from bench.models import LAYERS, write_repository
 from bench.wrk import run_wrk
+from conveyor.harness import ProcessGroup, RedisServer, free_port, group_cpu_s, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
 NCPU = os.cpu_count() or 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def http_ok(url: str, body: bytes | None = None) -> bool:
@@ -57,71 +49,28 @@ def http_ok(url: str, body: bytes | None = None) -> bool:
         return False
 
 
-def redis_pings(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+STOP_TIMEOUT_S = 20.0
+CHILD_LABELS = {"celery": "inference"}
+"""CPU of a group's processes other than its leader counts under this label: a Celery
+worker's children are its inference processes."""
 
 
-class Group:
-    """A server started in its own session, so its whole process tree shares one pgid."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], logdir: Path,
-                 child_name: str | None = None) -> None:
-        self.name, self.child_name = name, child_name or name
-        self.log_path = logdir / f"{name}-{time.monotonic_ns()}.log"
-        with self.log_path.open("wb") as log:
-            self.popen = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self) -> str:
-        return f"--- {self.name} log:\n{self.log_path.read_text(errors='replace')[-3000:]}"
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            with suppress(subprocess.TimeoutExpired):
-                self.popen.wait(20)
-        with suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)  # stragglers of the group
-        self.popen.wait(5)
+def server(name: str, argv: list[str], env: dict[str, str], logdir: Path) -> ProcessGroup:
+    """A server in its own session, so its whole process tree shares one pgid."""
+    return ProcessGroup(name, argv, env, logdir / f"{name}-{time.monotonic_ns()}.log", cwd=ROOT)
 
 
 @contextmanager
-def started(groups: list[Group], ready: Callable[[], bool], timeout: float = 120) -> Iterator[None]:
+def started(groups: list[ProcessGroup], ready: Callable[[], bool],
+            timeout: float = 120) -> Iterator[None]:
     """Wait until ``ready`` holds (failing fast if a server dies); stop every group on exit."""
     try:
-        deadline = time.monotonic() + timeout
-        while not ready():
-            dead = [g for g in groups if g.popen.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                logs = "\n".join(g.log_tail() for g in groups)
-                raise RuntimeError(f"{[g.name for g in dead or groups]} did not start\n{logs}")
-            time.sleep(0.2)
+        wait_until(ready, timeout, f"{[g.name for g in groups]} to start", interval=0.2,
+                   watch=groups)
         yield
     finally:
         for group in reversed(groups):
-            group.stop()
-
-
-def group_cpu(groups: list[Group]) -> dict[str, float]:
-    """utime+stime (s) of every live process in the groups, summed per label."""
-    by_pgid = {g.popen.pid: g for g in groups}
-    totals: dict[str, float] = defaultdict(float)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with suppress(OSError):
-            stat = Path(entry.path, "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()  # from the 3rd field (state) on
-            group = by_pgid.get(int(fields[2]))  # pgrp
-            if group is not None:
-                label = group.name if int(entry.name) == group.popen.pid else group.child_name
-                totals[label] += (int(fields[11]) + int(fields[12])) / TICKS
-    return totals
+            group.stop(STOP_TIMEOUT_S)
 
 
 def machine_busy_s() -> float:
@@ -182,20 +131,20 @@ Load = Callable[[int, float], Any]
 """(connections, seconds) -> a result with rps, p50_ms, p99_ms and errors."""
 
 
-def wrk_point(system: str, url: str, body: str, groups: list[Group], args: argparse.Namespace,
+def wrk_point(system: str, url: str, body: str, groups: list[ProcessGroup], args: argparse.Namespace,
               concurrency: int) -> Point:
     return load_point(system, lambda c, s: run_wrk(url, body, connections=c, duration_s=s),
                       groups, args, concurrency)
 
 
-def load_point(system: str, load: Load, groups: list[Group], args: argparse.Namespace,
+def load_point(system: str, load: Load, groups: list[ProcessGroup], args: argparse.Namespace,
                concurrency: int) -> Point:
     """One measured point; the load generator's CPU counts under "wrk CPU s"."""
     def attempt() -> Point:
         load(concurrency, args.warmup)
-        cpu0, busy0, kids0 = group_cpu(groups), machine_busy_s(), children_cpu_s()
+        cpu0, busy0, kids0 = group_cpu_s(groups, CHILD_LABELS), machine_busy_s(), children_cpu_s()
         res = load(concurrency, args.duration)
-        cpu1, busy1, kids1 = group_cpu(groups), machine_busy_s(), children_cpu_s()
+        cpu1, busy1, kids1 = group_cpu_s(groups, CHILD_LABELS), machine_busy_s(), children_cpu_s()
         cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
         wrk_s = kids1 - kids0
         return Point(system, str(concurrency), res["rps"], res["p50_ms"], res["p99_ms"],
@@ -233,40 +182,46 @@ def raw_points(model: str, args: argparse.Namespace) -> tuple[list[Point], dict[
     return [one, many], raw["rows_per_s"]
 
 
-def uvicorn_argv(app: str, port: int, workers: int = 1) -> list[str]:
-    return [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
-            "--no-access-log", "--log-level", "warning", "--workers", str(workers)]
+def uvicorn_argv(app: str, port: int, workers: int = 1, factory: bool = False) -> list[str]:
+    """uvicorn serving ``app`` (with ``factory``: a function that builds the app)."""
+    return [sys.executable, "-m", "uvicorn", *(["--factory"] if factory else []), app,
+            "--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning",
+            "--workers", str(workers)]
+
+
+CONVEYOR_APP = "api.main:create_app"
+"""The API's app factory, for ``uvicorn_argv(CONVEYOR_APP, ..., factory=True)``."""
 
 
 def bench_plain(model: str, body: str, args: argparse.Namespace, work: Path) -> list[Point]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/v2/models/{model}/infer"
     env = {**os.environ, "BENCH_MODEL": model, "PYTHONUNBUFFERED": "1"}
-    groups = [Group("plain", uvicorn_argv("bench.plain_fastapi:app", port), env, work)]
+    groups = [server("plain", uvicorn_argv("bench.plain_fastapi:app", port), env, work)]
     with started(groups, lambda: http_ok(url, body.encode())):
         return [wrk_point("plain FastAPI", url, body, groups, args, c) for c in args.concurrency]
 
 
 def bench_conveyor(model: str, body: str, args: argparse.Namespace, work: Path,
                    api_workers: int) -> list[Point]:
-    redis_port, api_port, grpc_port = free_port(), free_port(), free_port()
+    api_port, grpc_port = free_port(), free_port()
     base = f"http://127.0.0.1:{api_port}"
     url = f"{base}/v2/models/{model}/infer"
-    env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-           "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_MODELS": model,
-           "CONVEYOR_GRPC_PORT": str(grpc_port), "CONVEYOR_WORKER_PORT": str(free_port()),
-           "CONVEYOR_GRPC_REUSEPORT": "1",  # uvicorn --workers N share the gRPC port
-           "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.conveyor_env)}
     system = f"conveyor, {api_workers} API proc{'s' if api_workers > 1 else ''}"
     with ExitStack() as stack:
-        redis = Group("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no", "--dir", str(work)], env, work)
-        stack.enter_context(started([redis], lambda: redis_pings(redis_port), 10))
-        groups = [redis, Group("api", uvicorn_argv("api.main:app", api_port, api_workers), env, work),
-                  Group("celery", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
-                                   "-n", f"bench-{api_port}@%h", "--loglevel", "WARNING",
-                                   "--without-mingle", "--without-gossip"],
-                        env, work, child_name="inference")]
+        redis = stack.enter_context(RedisServer(work))
+        assert redis.proc is not None
+        env = {**os.environ, "CONVEYOR_REDIS_URL": redis.url,
+               "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_MODELS": model,
+               "CONVEYOR_GRPC_PORT": str(grpc_port), "CONVEYOR_WORKER_PORT": str(free_port()),
+               "CONVEYOR_GRPC_REUSEPORT": "1",  # uvicorn --workers N share the gRPC port
+               "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.conveyor_env)}
+        groups = [redis.proc,
+                  server("api", uvicorn_argv(CONVEYOR_APP, api_port, api_workers, factory=True),
+                         env, work),
+                  server("celery", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+                                    "-n", f"bench-{api_port}@%h", "--loglevel", "WARNING",
+                                    "--without-mingle", "--without-gossip"], env, work)]
         stack.enter_context(started(groups[1:], lambda: http_ok(f"{base}/v2/health/ready")
                                     and http_ok(url, body.encode())))
         points = [wrk_point(system, url, body, groups, args, c) for c in args.concurrency]

@@ -33,9 +33,12 @@ import aiohttp
 import redis
 import uvloop
 
+from batching.keys import Keys
+from batching.settings import Settings
 from bench import run as base
 from bench.models import write_repository
 from bench.wrk import run_wrk
+from conveyor.harness import RedisServer, free_port
 
 MODEL = "mlp_medium"
 
@@ -55,35 +58,36 @@ class Server:
     url: str
     stats: redis.Redis
     model: str
+    keys: Keys
 
     def counts(self) -> tuple[int, int]:
-        raw = self.stats.hgetall(f"cv:{{{self.model}}}:stats")
+        raw = self.stats.hgetall(self.keys.stats(self.model))
         return int(raw.get(b"inference_count", 0)), int(raw.get(b"execution_count", 0))
 
 
 @contextmanager
 def conveyor(model: str, repo: Path, work: Path) -> Iterator[Server]:
     """redis-server + conveyor API + Celery worker serving ``model`` (as bench.run does)."""
-    redis_port, api_port = base.free_port(), base.free_port()
+    api_port = free_port()
     root = f"http://127.0.0.1:{api_port}"
     url, body = f"{root}/v2/models/{model}/infer", base.request_body(model).encode()
-    env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-           "CONVEYOR_MODEL_REPOSITORY": str(repo), "CONVEYOR_MODELS": model,
-           "CONVEYOR_GRPC_PORT": str(base.free_port()), "CONVEYOR_WORKER_PORT": str(base.free_port()),
-           "PYTHONUNBUFFERED": "1"}
     with ExitStack() as stack:
-        rds = base.Group("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no", "--dir", str(work)], env, work)
-        stack.enter_context(base.started([rds], lambda: base.redis_pings(redis_port), 10))
-        groups = [base.Group("api", base.uvicorn_argv("api.main:app", api_port), env, work),
-                  base.Group("celery", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
-                                   "-n", f"sweep-{api_port}@%h", "--loglevel", "WARNING",
-                                   "--without-mingle", "--without-gossip"], env, work)]
+        rds = stack.enter_context(RedisServer(work))
+        env = {**os.environ, "CONVEYOR_REDIS_URL": rds.url,
+               "CONVEYOR_MODEL_REPOSITORY": str(repo), "CONVEYOR_MODELS": model,
+               "CONVEYOR_GRPC_PORT": str(free_port()), "CONVEYOR_WORKER_PORT": str(free_port()),
+               "PYTHONUNBUFFERED": "1"}
+        groups = [base.server("api", base.uvicorn_argv(base.CONVEYOR_APP, api_port, factory=True),
+                              env, work),
+                  base.server("celery", [sys.executable, "-m", "celery", "-A", "workers.app",
+                                         "worker", "-n", f"sweep-{api_port}@%h", "--loglevel",
+                                         "WARNING", "--without-mingle", "--without-gossip"],
+                              env, work)]
         stack.enter_context(base.started(groups, lambda: base.http_ok(f"{root}/v2/health/ready")
-                                    and base.http_ok(url, body)))
-        client = redis.Redis(port=redis_port)
+                                         and base.http_ok(url, body)))
+        client = redis.Redis(port=rds.port)
         stack.callback(client.close)
-        yield Server(url, client, model)
+        yield Server(url, client, model, Keys(Settings().key_prefix))
 
 
 @dataclass

@@ -17,22 +17,18 @@ outright (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from batching.exposure import is_loopback, unsafe_binding
-from batching.lifetime import die_with_parent
 from batching.settings import Settings
 from batching.urls import mask_url
+from conveyor.harness import ProcessGroup, redis_answers, redis_argv, wait_until
 
 STOP_DEADLINE_S = 8.0
 """One deadline for the whole stop, inside Docker's and Kubernetes' default grace (10 s
@@ -44,35 +40,10 @@ FLOWER_AUTH_ENV = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
 reads from the environment itself."""
 
 
-@dataclass(frozen=True, slots=True)
-class Child:
-    """A process this command started, leader of its own process group."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def terminate(self) -> None:
-        if self.alive():
-            self.popen.terminate()
-
-    def kill_group(self) -> None:
-        """SIGKILL the process group: the child and anything it started that is left."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        self.popen.wait()
-
-
-def start(name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Child:
+def start(name: str, argv: list[str], env: Mapping[str, str] | None = None) -> ProcessGroup:
     """Start ``argv`` in its own session (a terminal's Ctrl-C reaches only this launcher,
     which stops everything), to be SIGKILLed by the kernel if this process dies."""
-    return Child(name, subprocess.Popen(
-        argv, env=env, start_new_session=True,
-        preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid())))
+    return ProcessGroup(name, argv, env, dies_with_parent=True)
 
 
 class StopRequest:
@@ -91,19 +62,7 @@ class StopRequest:
             signal.signal(sig, self)
 
 
-def redis_answers(url: str) -> bool:
-    parsed = urlparse(url)
-    try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379),
-                                      timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            reply = sock.recv(64)
-    except OSError:
-        return False
-    return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
-
-
-def start_redis(url: str) -> Child:
+def start_redis(url: str) -> ProcessGroup:
     """A redis-server on loopback, for a local ``url`` that nothing answers at."""
     parsed = urlparse(url)
     if not is_loopback(parsed.hostname or ""):
@@ -112,14 +71,12 @@ def start_redis(url: str) -> Child:
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("redis-server is not installed: apt-get install redis-server")
-    child = start("redis", [binary, "--port", str(parsed.port or 6379), "--bind", "127.0.0.1",
-                            "--save", "", "--appendonly", "no"])
-    deadline = time.monotonic() + 10
-    while not redis_answers(url):
-        if time.monotonic() > deadline or not child.alive():
-            child.kill_group()
-            sys.exit(f"redis-server did not start at {mask_url(url)}")
-        time.sleep(0.1)
+    child = start("redis", redis_argv(binary, parsed.port or 6379))
+    try:
+        wait_until(lambda: redis_answers(url), 10, "redis-server", interval=0.1, watch=[child])
+    except (TimeoutError, ChildProcessError):
+        child.kill_group()
+        sys.exit(f"redis-server did not start at {mask_url(url)}")
     return child
 
 
@@ -194,7 +151,7 @@ def run(host: str | None = None) -> int:
         return 2
     stop = StopRequest()
     stop.install()
-    own_redis: list[Child] = []
+    own_redis: list[ProcessGroup] = []
     if redis_answers(settings.redis_url):
         print(f"using Redis at {mask_url(settings.redis_url)}")
     else:
@@ -210,7 +167,7 @@ def run(host: str | None = None) -> int:
     return code
 
 
-def watch(children: list[Child], stop: StopRequest) -> int:
+def watch(children: list[ProcessGroup], stop: StopRequest) -> int:
     """Wait for a stop signal (0) or a child's exit (1)."""
     while stop.signum is None:
         exited = [c for c in children if not c.alive()]
@@ -224,7 +181,7 @@ def watch(children: list[Child], stop: StopRequest) -> int:
     return 0
 
 
-def stop_all(children: list[Child], own_redis: list[Child],
+def stop_all(children: list[ProcessGroup], own_redis: list[ProcessGroup],
              deadline_s: float = STOP_DEADLINE_S) -> None:
     """SIGTERM to every child at once (in list order, the API first), Redis once they are
     gone; after one overall deadline, SIGKILL to every child's process group."""
@@ -249,6 +206,6 @@ def _say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _wait(children: list[Child], deadline: float) -> None:
+def _wait(children: list[ProcessGroup], deadline: float) -> None:
     while any(c.alive() for c in children) and time.monotonic() < deadline:
         time.sleep(POLL_S)

@@ -1,119 +1,40 @@
 """Real processes for integration tests: redis-server, the API (``python -m api.serve``) and
-Celery workers."""
+Celery workers, on the processes of ``conveyor.harness`` (``free_port`` and ``RedisServer``
+are its own, imported from here by the tests)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from conveyor.harness import ProcessGroup, RedisServer, free_port, wait_until
+
+__all__ = ["ROOT", "Proc", "RedisServer", "free_port", "service_env", "start_api", "start_worker",
+           "wait_for"]
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str,
              interval: float = 0.05) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (OSError, httpx.HTTPError):
-            pass
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    """Poll ``condition`` until it holds; fail the test naming ``what`` after ``timeout`` seconds."""
+    try:
+        wait_until(condition, timeout, what, interval=interval, retry_on=(OSError, httpx.HTTPError))
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}") from None
 
 
-class Proc:
-    """A child process whose output goes to a log file, shown when a test needs it."""
+class Proc(ProcessGroup):
+    """A child process whose output goes to ``logdir/{name}.log``, shown when a test needs it;
+    ``probe_port`` is a worker's probe port (``start_worker``)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], logdir: Path) -> None:
-        self.name = name
+        super().__init__(name, argv, env, logdir / f"{name}.log", cwd=ROOT)
         self.probe_port = 0
-        self.log_path = logdir / f"{name}.log"
-        self._log = self.log_path.open("wb")
-        self.popen = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.pid, sig)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL the whole process group if it lingers."""
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.popen.wait(5)
-        self._kill_group()
-        self._log.close()
-
-    def _kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-
-
-class RedisServer:
-    def __init__(self, logdir: Path, *args: str) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not on PATH: install it (apt-get install redis-server)")
-        self.binary = binary
-        self.port = free_port()
-        self.logdir = logdir
-        self.args = list(args)
-        self.proc: Proc | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.logdir), *self.args]
-        self.proc = Proc(f"redis-{self.port}-{time.monotonic_ns()}", argv, dict(os.environ),
-                         self.logdir)
-        wait_for(self._pings, 10, "redis-server to answer")
-
-    def _pings(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.signal(signal.SIGKILL)
-            self.proc.stop()
-            self.proc = None
 
 
 def service_env(redis_url: str, repository: Path, prefix: str, **extra: str) -> dict[str, str]:

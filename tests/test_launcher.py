@@ -21,6 +21,7 @@ import pytest
 
 from batching.settings import Settings
 from conveyor import launcher
+from conveyor.harness import ProcessGroup
 from tests.procs import ROOT, RedisServer, free_port, service_env, wait_for
 
 TEST_MODELS = ROOT / "tests" / "models"
@@ -44,7 +45,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_refuses_to_bind_beyond_loopback_without_keys(
         clean_env: None, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    def never(*_args: object) -> launcher.Child:
+    def never(*_args: object) -> ProcessGroup:
         raise AssertionError("started a process")
     monkeypatch.setattr(launcher, "start", never)
     monkeypatch.setattr(launcher, "redis_answers", never)
