@@ -2,9 +2,10 @@
 ``CONVEYOR_HTTP_PORT``, 8000) or ``uvicorn --factory api.main:create_app``, with gRPC on
 ``settings.grpc_port`` (8001) served from the same event loop.
 
-Importing this module builds nothing: no settings read, no repository scan, no Redis
-client and no gRPC module (``api.proto``) until ``create_app`` runs, so tests build the
-application in-process with their own settings and dispatcher (tests/unit).
+Importing this module builds nothing (no settings read, no repository scan, no Redis
+client) and loads no gRPC module (``api.proto``, only when ``create_app`` serves gRPC), so
+tests build the application in-process with their own settings and dispatcher
+(tests/unit).
 """
 
 from __future__ import annotations
