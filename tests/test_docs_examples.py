@@ -19,12 +19,13 @@ address the API as ``localhost:8000``: that text is replaced by the test stack's
 and ``CONVEYOR_URL``, ``CONVEYOR_REDIS_URL`` and ``CONVEYOR_KEY_PREFIX`` point the
 ``conveyor`` and ``celery`` commands at the same stack.
 ``sh`` blocks are one ``bash -euo pipefail`` script. ``console`` blocks are prompts
-(``$ command``, continued by a trailing backslash or a here-document) and the output a
-reader should see: the commands run as one script as well, and where the block shows
-output, the command's output (stdout and stderr, as a terminal shows them) must match it:
-whitespace is ignored, ``...`` stands for anything, a 32-digit hex job id for any id, and
-a number with a fraction for any number (probabilities and times differ by machine).
-Python blocks run with the venv's python.
+(``$ command``, continued by a trailing backslash, an open quote or a here-document) and
+the output a reader should see: the commands run as one script as well, and where the
+block shows output, the command's output (stdout and stderr, as a terminal shows them)
+must match it: whitespace is ignored, ``...`` stands for anything, a 32-digit hex job id
+for any id, and a number with a fraction for any number (probabilities and times differ
+by machine). Python blocks run with the venv's python. Run alone, an example may miss a
+file an earlier one of its page writes.
 
 One stack for the module (API, an inference worker serving ``models/``, a job worker).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -113,7 +115,8 @@ def examples() -> list[Example]:
 
 
 def console_commands(body: str) -> list[Command]:
-    """The prompts of a console block, with continuation lines, here-documents and output."""
+    """The prompts of a console block, with their continuation lines (after a backslash or
+    inside quotes), here-documents and output."""
     commands: list[Command] = []
     lines = body.splitlines()
     index = 0
@@ -125,7 +128,7 @@ def console_commands(body: str) -> list[Command]:
                 commands[-1].shown.append(line)
             continue
         text = [line[2:]]
-        while text[-1].endswith("\\") and index < len(lines):
+        while (text[-1].endswith("\\") or _open_quote("\n".join(text))) and index < len(lines):
             text.append(lines[index])
             index += 1
         heredoc = HEREDOC.search("\n".join(text))
@@ -137,6 +140,15 @@ def console_commands(body: str) -> list[Command]:
                     break
         commands.append(Command("\n".join(text)))
     return commands
+
+
+def _open_quote(command: str) -> bool:
+    """Whether ``command`` ends inside a quoted string, which goes on on the next line."""
+    try:
+        shlex.split(command, comments=True)
+    except ValueError:
+        return True
+    return False
 
 
 def script(example: Example) -> tuple[str, list[Command]]:
@@ -220,13 +232,14 @@ EXAMPLES = examples()
 
 @pytest.mark.parametrize("example", [
     pytest.param(example, id=example.name,
-                 marks=[pytest.mark.skip(reason=f"not run: {example.not_run}")]
+                 marks=[pytest.mark.skip(reason=f"{example.name} not run: {example.not_run}")]
                  if example.not_run is not None else [])
     for example in EXAMPLES])
 def test_example_runs_as_written(example: Example, docs_stack: Stack,
                                  page_folders: Callable[[Path], Path]) -> None:
+    commands: list[Command] = []
     if example.language in PYTHON:
-        argv, code, commands = [sys.executable, "-c"], example.body, []
+        argv, code = [sys.executable, "-c"], example.body
     else:
         code, commands = script(example)
         argv = ["bash", "-euo", "pipefail", "-c"]
