@@ -6,14 +6,14 @@ waiting against its limit and appends the request to its stream, atomically, so 
 overload check costs no extra round trip and a rejected request writes nothing.
 Replies come back on one list per API process (``cv:reply:{api_id}``), popped in bulk
 on a second connection; each pop's reply resolves the requests' futures and sends the
-next pop. Both connections are lean RESP links (api.redis_link); redis-py serves every
-other Redis call of the API.
+next pop. Both connections are lean RESP links (batching.resp), or redis.asyncio ones
+with ``CONVEYOR_LEAN_REDIS=0`` (batching.redis_links); redis-py serves every other Redis
+call of the API.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import os
@@ -21,16 +21,16 @@ import socket
 import time
 from dataclasses import dataclass
 from functools import partial
-from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from api.redis_link import Link, open_link
 from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.keys import Keys
-from batching.resp import Address, RespError, encode, encode_all
+from batching.lua import script
+from batching.redis_links import AsyncLink, open_pipeline_link
+from batching.resp import Address, RespError, open_link
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ REPLY_BATCH = 1024
 POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
-REQUEST_ADMIT_LUA = resources.files("batching").joinpath("lua/admit.lua").read_text()
+REQUEST_ADMIT = script("admit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,10 @@ class Admission:
 
 
 class Dispatcher:
-    def __init__(self, redis_url: str, keys: Keys, busy_poll_s: float = 0.0) -> None:
+    def __init__(self, redis_url: str, keys: Keys, busy_poll_s: float = 0.0,
+                 lean: bool = True) -> None:
+        """``lean``: admission and replies on lean RESP links (``CONVEYOR_LEAN_REDIS``);
+        otherwise on redis.asyncio, through :attr:`redis`."""
         self.api_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.reply_key = keys.reply(self.api_id)
         self._address = Address.from_url(redis_url)
@@ -62,11 +65,13 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
         self._outbox: list[tuple[Admission, bytes, asyncio.Future[Reply]]] = []
-        self._admit_sha = hashlib.sha1(REQUEST_ADMIT_LUA.encode()).hexdigest()
-        self._pop_command = encode(("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
-                                    REPLY_BATCH))
-        self._writer: Link | None = None
-        self._reader: Link | None = None
+        self._lean = lean
+        self._pop_command = ("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
+                             REPLY_BATCH)
+        self._pop_prepared: Any = None
+        """The pop in the current reader's form (encoded once per lean link)."""
+        self._writer: AsyncLink[Any] | None = None
+        self._reader: AsyncLink[Any] | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._keeper: asyncio.Task[None] | None = None
         self.redis_ok = True
@@ -141,9 +146,10 @@ class Dispatcher:
             for admission, data, fut in batch:
                 self._admitted(admission, data, fut, error)
             return
-        self._writer.write(
-            encode_all([("EVALSHA", self._admit_sha, 2, a.rows_key, a.stream, a.rows,
-                         a.max_rows, data) for a, data, _ in batch]),
+        writer = self._writer
+        writer.write(
+            writer.prepare([("EVALSHA", REQUEST_ADMIT.sha, 2, a.rows_key, a.stream, a.rows,
+                             a.max_rows, data) for a, data, _ in batch]),
             [partial(self._admitted, a, data, fut) for a, data, fut in batch])
 
     def _admitted(self, admission: Admission, data: bytes, fut: asyncio.Future[Reply],
@@ -153,10 +159,11 @@ class Dispatcher:
             # A new or restarted Redis: EVAL sends the script along and caches it again.
             # Not for a request already answered (its deadline passed): nobody would read
             # its reply, and its entry would hold rows of the queue until a worker got to it.
-            self._writer.write(encode(("EVAL", REQUEST_ADMIT_LUA, 2, admission.rows_key,
-                                       admission.stream, admission.rows, admission.max_rows,
-                                       data)),
-                               [partial(self._admitted, admission, data, fut)])
+            writer = self._writer
+            writer.write(writer.prepare([("EVAL", REQUEST_ADMIT.text, 2, admission.rows_key,
+                                          admission.stream, admission.rows,
+                                          admission.max_rows, data)]),
+                         [partial(self._admitted, admission, data, fut)])
             return
         if fut.done():
             return
@@ -179,8 +186,9 @@ class Dispatcher:
         backoff = 0.05
         while True:
             try:
-                self._writer = await open_link(self._address)
-                self._reader = await open_link(self._address)
+                self._writer = await self._open()
+                self._reader = await self._open()
+                self._pop_prepared = self._reader.prepare([self._pop_command])
             except (OSError, RespError, TimeoutError) as exc:
                 self._drop_links()
                 self._mark_down(exc)
@@ -198,6 +206,11 @@ class Dispatcher:
             self._mark_down(ConnectionError("lost the connection"))
             self._fail_waiting(Unavailable("lost the connection to Redis"))
 
+    async def _open(self) -> AsyncLink[Any]:
+        if self._lean:
+            return await open_link(self._address)
+        return await open_pipeline_link(self._redis)
+
     def _drop_links(self) -> None:
         if self._stall is not None:
             self._stall.cancel()
@@ -206,12 +219,12 @@ class Dispatcher:
                 link.abort()
         self._writer = self._reader = None
 
-    def _pop(self, on: Link | None = None) -> None:
+    def _pop(self, on: AsyncLink[Any] | None = None) -> None:
         """Send the next pop, on the current reader (only if that is still ``on``)."""
         if self._reader is None or on not in (None, self._reader):
             return
         self._stall = asyncio.get_running_loop().call_later(POP_STALL_S, self._stalled)
-        self._reader.write(self._pop_command, [self._popped])
+        self._reader.write(self._pop_prepared, [self._popped])
 
     def _stalled(self) -> None:
         log.warning("Redis did not answer a pop in %d s; reconnecting", POP_STALL_S)

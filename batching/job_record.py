@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from importlib import resources
 from typing import Any
 
 import msgpack
 import orjson
 
 from batching.envelope import Tensor
+from batching.lua import script
 from batching.repository_scan import as_text
 
 JOB_TASK = "conveyor.job"
@@ -29,11 +29,10 @@ JOB_QUEUE = "cv.jobs"
 WAKE = "wake"
 """The id of the reply the API pushes onto a running job's reply list when it cancels it."""
 
-_LUA = resources.files("batching").joinpath("lua")
-JOB_ADMIT_LUA = _LUA.joinpath("job_admit.lua").read_text()
-WITHDRAW_LUA = _LUA.joinpath("job_withdraw.lua").read_text()
-TRANSITION_LUA = _LUA.joinpath("job_transition.lua").read_text()
-LEASE_LUA = _LUA.joinpath("job_lease.lua").read_text()
+JOB_ADMIT_LUA = script("job_admit").text
+WITHDRAW_LUA = script("job_withdraw").text
+TRANSITION_LUA = script("job_transition").text
+LEASE_LUA = script("job_lease").text
 
 
 class JobState(StrEnum):

@@ -1,32 +1,38 @@
-"""A lean Redis client for the hot path: RESP2 encoding, pipelining, deferred replies.
+"""The lean Redis client of the hot path: RESP2 encoding, pipelining, deferred replies.
 
 redis-py spends 60-80 µs of Python per command on our 2-core benchmark box (connection
 pool, retry wrapper, argument normalisation, response callbacks); a request crosses
 Redis four times, so that alone was a third of a tiny model's latency. Here a command
 is one ``bytes`` join and its reply one ``hiredis`` parse: about 15 µs a command
-(docs/data-path.md section 7). Only the per-request commands use it; every
-other Redis call stays on redis-py.
+(docs/data-path.md section 7; ``python -m bench.lean_redis`` measures it again). Only
+the per-request commands use it; every other Redis call stays on redis-py, and
+``CONVEYOR_LEAN_REDIS=0`` puts these on redis-py too (batching.redis_links).
 
 :class:`Connection` is the blocking client of an inference process. Its :meth:`send`
 writes commands now and reads their replies later, before the next command's (or at
 :meth:`Connection.flush`): a worker answers a batch and goes straight back to reading
-without waiting a round trip.
+without waiting a round trip. :class:`Link` is the API's: an asyncio protocol that
+hands each reply to the callback written with its command, straight from
+``data_received``. Both read their URL with redis-py's parser (:class:`Address`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import select
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import hiredis
+from redis.asyncio.connection import RedisSSLContext, parse_url
 
 from batching.urls import mask_url
 
@@ -35,6 +41,10 @@ log = logging.getLogger(__name__)
 Arg = bytes | str | int | float
 Command = Sequence[Arg]
 ReplyHandler = Callable[[list[Any]], None]
+"""Called with the replies of the commands of one :meth:`Connection.send`."""
+LinkHandler = Callable[[Any], None]
+"""Called with one command's reply, a :class:`RespError`, or the ``ConnectionError`` of a
+lost link."""
 
 
 class RespError(Exception):
@@ -66,17 +76,19 @@ def new_reader() -> Any:
 
 CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
              "none": ssl.CERT_NONE}
-CERT_REQS_NAMES = {**{name: name for name in CERT_REQS},
-                   **{f"CERT_{name.upper()}": name for name in CERT_REQS}}
-"""``ssl_cert_reqs`` values redis-py and Celery accept, to the short name."""
-FALSE = frozenset({"0", "F", "FALSE", "N", "NO"})
-"""What redis-py reads as false in a URL's query."""
+"""The ``ssl_cert_reqs`` values redis-py accepts."""
+SSL_CONTEXT_OPTIONS = frozenset({
+    "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_include_verify_flags",
+    "ssl_exclude_verify_flags", "ssl_ca_certs", "ssl_ca_data", "ssl_ca_path",
+    "ssl_check_hostname", "ssl_min_version", "ssl_ciphers", "ssl_password"})
+"""The ``ssl_*`` options redis.asyncio's TLS connections take; others are refused, as
+redis.asyncio refuses them."""
 
 
 @dataclass(frozen=True, slots=True)
 class Address:
-    """Where Redis listens and how to log in, from a ``redis://``, ``rediss://`` or
-    ``unix://`` URL (the forms redis-py accepts)."""
+    """Where Redis listens, how to log in and the TLS options, from a ``redis://``,
+    ``rediss://`` or ``unix://`` URL as redis-py reads it."""
 
     host: str = "127.0.0.1"
     port: int = 6379
@@ -85,48 +97,34 @@ class Address:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     tls: bool = False
-    tls_verify: str = "required"
-    """``ssl_cert_reqs`` of the URL, as redis-py reads it: required, optional or none."""
-    ca_certs: str | None = None
-    """``ssl_ca_certs`` of the URL: a CA bundle to trust instead of the system's."""
-    certfile: str | None = None
-    """``ssl_certfile``: the client certificate (PEM) presented to Redis (mutual TLS)."""
-    keyfile: str | None = None
-    """``ssl_keyfile``: the client certificate's key; None: in ``certfile``."""
-    check_hostname: bool = True
-    """``ssl_check_hostname``: the server certificate must name the host (when verified)."""
+    tls_options: tuple[tuple[str, Any], ...] = ()
+    """The URL's ``ssl_*`` query options, as redis-py's parser typed them, by name."""
 
     @classmethod
     def from_url(cls, url: str) -> Address:
-        parsed = urlparse(url)
-        if parsed.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported Redis URL scheme {parsed.scheme!r}: {mask_url(url)}")
-        query = parse_qs(parsed.query)
-        def one(name: str) -> str | None:
-            return next(iter(query.get(name, [])), None)
-        db_text = one("db") or parsed.path.lstrip("/") or "0"
-        if parsed.scheme == "unix":
-            db_text = one("db") or "0"
-        return cls(host=parsed.hostname or "127.0.0.1", port=parsed.port or 6379,
-                   path=parsed.path if parsed.scheme == "unix" else None, db=int(db_text),
-                   username=unquote(parsed.username) if parsed.username else None,
-                   password=unquote(parsed.password) if parsed.password else None,
-                   tls=parsed.scheme == "rediss",
-                   tls_verify=CERT_REQS_NAMES.get(one("ssl_cert_reqs") or "required", "?"),
-                   ca_certs=one("ssl_ca_certs"), certfile=one("ssl_certfile"),
-                   keyfile=one("ssl_keyfile"),
-                   check_hostname=(one("ssl_check_hostname") or "true").upper() not in FALSE)
+        """Parsed by redis-py's own URL parser, so the lean clients and redis-py read every
+        URL, and every option in it, alike."""
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"unsupported Redis URL scheme {scheme!r}: {mask_url(url)}")
+        kwargs = parse_url(url)
+        tls_options = sorted((k, v) for k, v in kwargs.items() if k.startswith("ssl_"))
+        return cls(host=kwargs.get("host", "127.0.0.1"), port=kwargs.get("port", 6379),
+                   path=kwargs.get("path"), db=kwargs.get("db", 0),
+                   username=kwargs.get("username"), password=kwargs.get("password"),
+                   tls=scheme == "rediss", tls_options=tuple(tls_options))
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The TLS context of a ``rediss://`` URL; None for plain connections."""
+        """The TLS context of a ``rediss://`` URL, built by redis-py's own builder from the
+        URL's options; None for plain connections."""
         if not self.tls:
             return None
-        verify_mode = self._cert_reqs()
-        context = ssl.create_default_context(cafile=self.ca_certs)
-        if self.certfile:
-            context.load_cert_chain(self.certfile, self.keyfile)
-        context.check_hostname = self.check_hostname and verify_mode == ssl.CERT_REQUIRED
-        context.verify_mode = verify_mode
+        options = self._ssl_options()
+        unknown = sorted(options.keys() - SSL_CONTEXT_OPTIONS)
+        if unknown:
+            raise ValueError(f"unsupported TLS option {unknown[0]} in the Redis URL")
+        context: ssl.SSLContext = RedisSSLContext(
+            **{name.removeprefix("ssl_"): value for name, value in options.items()}).get()
         return context
 
     def ssl_options(self) -> dict[str, Any] | None:
@@ -135,14 +133,16 @@ class Address:
         None for plain connections."""
         if not self.tls:
             return None
-        return {"ssl_cert_reqs": self._cert_reqs(), "ssl_ca_certs": self.ca_certs,
-                "ssl_certfile": self.certfile, "ssl_keyfile": self.keyfile,
-                "ssl_check_hostname": self.check_hostname}
+        options = self._ssl_options()
+        return {**options, "ssl_cert_reqs": CERT_REQS[options["ssl_cert_reqs"]]}
 
-    def _cert_reqs(self) -> ssl.VerifyMode:
-        if self.tls_verify not in CERT_REQS:
+    def _ssl_options(self) -> dict[str, Any]:
+        """The URL's ``ssl_*`` options over redis-py's defaults for a TLS connection."""
+        options = {"ssl_cert_reqs": "required", "ssl_ca_certs": None, "ssl_certfile": None,
+                   "ssl_keyfile": None, "ssl_check_hostname": True, **dict(self.tls_options)}
+        if options["ssl_cert_reqs"] not in CERT_REQS:
             raise ValueError("ssl_cert_reqs must be required, optional or none")
-        return CERT_REQS[self.tls_verify]
+        return options
 
     def login(self) -> list[Command]:
         """Commands to send first on a new connection: AUTH and SELECT, as needed."""
@@ -290,3 +290,104 @@ class Connection:
                 self.close()
                 raise
         return sock
+
+
+class Link(asyncio.Protocol):
+    """One asyncio connection: each reply goes to the handler written with its command,
+    first in, first out, from ``data_received``: no task switch, no connection pool."""
+
+    def __init__(self) -> None:
+        self._reader: Any = new_reader()
+        self._handlers: deque[LinkHandler] = deque()
+        self._transport: asyncio.Transport | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        while True:
+            try:
+                reply = self._reader.gets()
+            except Exception as exc:  # hiredis.ProtocolError: nothing more can be trusted
+                self.abort()
+                self.connection_lost(exc)
+                return
+            if reply is False:
+                return
+            self._handlers.popleft()(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        error = ConnectionError(f"lost the connection to Redis{f': {exc}' if exc else ''}")
+        while self._handlers:
+            self._handlers.popleft()(error)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    @property
+    def open(self) -> bool:
+        return self._transport is not None
+
+    def prepare(self, commands: Sequence[Command]) -> bytes:
+        """``commands`` in the form :meth:`write` takes: encoded, once for a command sent
+        again and again."""
+        return encode_all(commands)
+
+    def write(self, data: bytes, handlers: list[LinkHandler]) -> None:
+        """Send encoded commands; ``handlers`` (one per command) receive their replies."""
+        if self._transport is None:
+            error = ConnectionError("not connected to Redis")
+            for handler in handlers:
+                handler(error)
+            return
+        self._handlers.extend(handlers)
+        self._transport.write(data)
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def execute(self, *commands: Command) -> list[Any]:
+        """Send ``commands`` and await their replies; error replies raise."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
+        self.write(encode_all(commands), [resolver(f) for f in futures])
+        return [check(reply) for reply in await asyncio.gather(*futures)]
+
+
+def resolver(future: asyncio.Future[Any]) -> LinkHandler:
+    """A handler that settles ``future`` with the reply, or with a lost link's error."""
+    def resolve(reply: Any) -> None:
+        if future.done():
+            return
+        if isinstance(reply, OSError):
+            future.set_exception(reply)
+        else:
+            future.set_result(reply)
+    return resolve
+
+
+async def open_link(address: Address, timeout_s: float = 1.0) -> Link:
+    """Connect, log in (AUTH, SELECT), see Redis answer a ``PING`` and return the link;
+    raises ``OSError`` or :class:`RespError`.
+
+    The ``PING`` matters under TLS 1.3: a Redis that refuses the client's certificate
+    (or has none to ask for) drops the connection only after the handshake, so without
+    a reply the link would count as open and its owner reconnect at once, again and
+    again, instead of backing off.
+    """
+    loop = asyncio.get_running_loop()
+    if address.path is not None:
+        connecting = loop.create_unix_connection(Link, address.path)
+    else:
+        connecting = loop.create_connection(Link, address.host, address.port,
+                                            ssl=address.ssl_context())
+    _, link = await asyncio.wait_for(connecting, timeout_s)
+    try:
+        await asyncio.wait_for(link.execute(*address.login(), ("PING",)), timeout_s)
+    except (OSError, RespError, TimeoutError):
+        link.abort()
+        raise
+    return link

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     around a lone request (the only one its API process has in flight): the API while it
     awaits the reply, an inference process after running it. A sleeping virtual CPU
     wakes slowly and with cold caches (docs/data-path.md section 7); 0 turns it off."""
+    lean_redis: bool = True
+    """The per-request Redis commands (admission and reply pops in the API, an inference
+    process's reads and answers) use conveyor's lean RESP client; false puts them on
+    redis-py, at several times the CPU per command (docs/data-path.md section 7)."""
     job_result_ttl_s: int = 86_400
     """How long a finished job's state and result stay readable."""
     job_max_bytes: int = 64 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""The API's Redis side (api.redis_link, api.dispatch) against a real redis-server of its
+"""The API's Redis side (batching.resp's Link, api.dispatch) against a real redis-server of its
 own; a test stands in for the worker by popping the stream and pushing replies."""
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from api.dispatch import Admission, Dispatcher
-from api.redis_link import open_link
+from api.dispatch import REQUEST_ADMIT, Admission, Dispatcher
 from batching.envelope import FIELD, Reply, Request, Tensor
 from batching.errors import Overloaded, Unavailable
 from batching.keys import Keys
-from batching.resp import Address, RespError
+from batching.resp import Address, RespError, open_link
 from tests.procs import RedisServer, wait_for
 
 KEYS = Keys("td")
@@ -143,7 +142,7 @@ def test_a_flushed_script_cache_is_refilled(server: RedisServer) -> None:
         waiting = asyncio.ensure_future(dispatcher.submit(admission(), sent, 5))
         assert (await serve_one(client)).id == sent.id
         assert (await waiting).id == sent.id
-        assert (await client.script_exists(dispatcher._admit_sha)) == [True]
+        assert (await client.script_exists(REQUEST_ADMIT.sha)) == [True]
     run(server, body)
 
 

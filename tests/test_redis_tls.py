@@ -3,8 +3,9 @@
 Certificates come from openssl; redis-server listens on a TLS port only, with
 ``tls-auth-clients yes``. The URL carries the options as redis-py spells them
 (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``; ``ssl_cert_reqs`` defaults to
-required), and every client conveyor has must connect with it: the lean RESP client
-(blocking and asyncio), redis-py, and Celery's broker and result backend.
+required), and every client conveyor has must connect with it: the hot path's
+connections, lean (blocking and asyncio) or on redis-py (``CONVEYOR_LEAN_REDIS=0``),
+redis-py, and Celery's broker and result backend.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 
-from api.redis_link import open_link
-from batching.resp import Address, Connection
+from api.dispatch import Admission, Dispatcher
+from batching.envelope import Reply, Request, Tensor
+from batching.errors import Unavailable
+from batching.keys import Keys
+from batching.redis_links import blocking_link
+from batching.resp import Address, open_link
 from tests.procs import ROOT, free_port, wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
@@ -72,16 +78,18 @@ def url(port: int, folder: Path, client_cert: bool = True) -> str:
     return f"rediss://127.0.0.1:{port}/0?{query}"
 
 
-def test_the_lean_client_presents_the_client_certificate(tls_redis: tuple[int, Path]) -> None:
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "redis-py"])
+def test_the_worker_s_connection_presents_the_client_certificate(
+        tls_redis: tuple[int, Path], lean: bool) -> None:
     port, folder = tls_redis
-    connection = Connection(Address.from_url(url(port, folder)), timeout_s=5)
+    connection = blocking_link(url(port, folder), 5, lean)
     try:
-        assert connection.call("PING") in (b"PONG", "PONG")
+        assert connection.execute([("ECHO", "x")]) == [b"x"]
     finally:
         connection.close()
-    refused = Connection(Address.from_url(url(port, folder, client_cert=False)), timeout_s=5)
+    refused = blocking_link(url(port, folder, client_cert=False), 5, lean)
     with pytest.raises(OSError):
-        refused.call("PING")
+        refused.execute([("ECHO", "x")])
     refused.close()
 
 
@@ -96,6 +104,42 @@ def test_the_lean_asyncio_link_presents_it_too(tls_redis: tuple[int, Path]) -> N
             link.abort()
 
     assert asyncio.run(ping())[0] in (b"PONG", "PONG")
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "redis-py"])
+def test_the_dispatcher_admits_and_pops_over_tls(tls_redis: tuple[int, Path], lean: bool) -> None:
+    """Admission and reply pops, on either client, with the URL's client certificate.
+    Without it Redis drops each connection once the handshake is done (TLS 1.3): the
+    dispatcher must not count such a link as open (and reconnect in a tight loop)."""
+    port, folder = tls_redis
+    keys = Keys(f"tls-{lean}")
+
+    async def main() -> None:
+        dispatcher = Dispatcher(url(port, folder), keys, lean=lean)
+        refused = Dispatcher(url(port, folder, client_cert=False), keys, lean=lean)
+        await dispatcher.start()
+        await refused.start()
+        try:
+            for _ in range(500):
+                if dispatcher._writer is not None:
+                    break
+                await asyncio.sleep(0.01)
+            x = Tensor.from_array("x", np.zeros((1, 2), np.float32))
+            sent = Request(dispatcher.new_id(), dispatcher.reply_key, 0, 0, 1, [x])
+            admission = Admission(keys.queue("m", 1), keys.rows_waiting("m"), 1, 10)
+            waiting = asyncio.ensure_future(dispatcher.submit(admission, sent, 5))
+            while not await dispatcher.redis.xlen(admission.stream):
+                await asyncio.sleep(0.01)
+            await dispatcher.redis.rpush(dispatcher.reply_key, Reply(sent.id).encode())
+            assert (await waiting).id == sent.id
+            assert refused._writer is None and not refused.redis_ok
+            other = Request(refused.new_id(), refused.reply_key, 0, 0, 1, [x])
+            with pytest.raises(Unavailable):
+                await refused.submit(admission, other, 5)
+        finally:
+            await dispatcher.close()
+            await refused.close()
+    asyncio.run(main())
 
 
 def test_redis_py_reads_the_same_url(tls_redis: tuple[int, Path]) -> None:
@@ -127,9 +171,10 @@ def test_celery_broker_and_backend_connect_with_the_urls_certificates(
 def test_ssl_options_follow_the_url() -> None:
     assert Address.from_url("redis://cache").ssl_options() is None
     options = Address.from_url("rediss://cache?ssl_certfile=/c.pem&ssl_keyfile=/c.key"
-                               "&ssl_cert_reqs=optional&ssl_check_hostname=false").ssl_options()
+                               "&ssl_cert_reqs=optional&ssl_check_hostname=false"
+                               "&ssl_ciphers=HIGH").ssl_options()
     assert options == {"ssl_cert_reqs": ssl.CERT_OPTIONAL, "ssl_ca_certs": None,
                        "ssl_certfile": "/c.pem", "ssl_keyfile": "/c.key",
-                       "ssl_check_hostname": False}
+                       "ssl_check_hostname": False, "ssl_ciphers": "HIGH"}
     with pytest.raises(ValueError, match="ssl_cert_reqs"):
         Address.from_url("rediss://cache?ssl_cert_reqs=sometimes").ssl_context()

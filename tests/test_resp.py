@@ -1,4 +1,6 @@
-"""The lean Redis client (batching.resp) against a real redis-server of its own."""
+"""The lean Redis client (batching.resp) against a real redis-server of its own, and the
+redis-py connection that stands in for it with ``CONVEYOR_LEAN_REDIS=0``
+(batching.redis_links): the same interface, the same answers."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from batching.redis_links import PipelineConnection, blocking_link
 from batching.resp import Address, Connection, RespError, check, encode, encode_all
 from tests.procs import RedisServer
 
@@ -24,8 +27,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(params=["lean", "redis-py"])
+def conn(server: RedisServer, request: pytest.FixtureRequest
+         ) -> Iterator[Connection | PipelineConnection]:
+    """The hot path's blocking connection, either kind."""
+    connection = blocking_link(server.url, 5, lean=request.param == "lean")
+    assert isinstance(connection, Connection | PipelineConnection)
+    connection.execute([("FLUSHDB",)])
+    yield connection
+    connection.close()
+
+
 @pytest.fixture
-def conn(server: RedisServer) -> Iterator[Connection]:
+def lean(server: RedisServer) -> Iterator[Connection]:
     connection = Connection(Address.from_url(server.url), timeout_s=5)
     connection.call("FLUSHDB")
     yield connection
@@ -57,7 +71,35 @@ def test_tls_options_follow_redis_py_query_parameters() -> None:
     assert strict is not None and strict.verify_mode == ssl.CERT_REQUIRED and strict.check_hostname
     loose = Address.from_url("rediss://cache?ssl_cert_reqs=none").ssl_context()
     assert loose is not None and loose.verify_mode == ssl.CERT_NONE and not loose.check_hostname
-    assert Address.from_url("rediss://c?ssl_ca_certs=/etc/ca.pem").ca_certs == "/etc/ca.pem"
+    options = Address.from_url("rediss://c?ssl_ca_certs=/etc/ca.pem").ssl_options()
+    assert options is not None and options["ssl_ca_certs"] == "/etc/ca.pem"
+
+
+def test_every_tls_option_redis_py_reads_reaches_the_lean_context() -> None:
+    """ssl_min_version and ssl_ciphers, typed by redis-py's URL parser, shape the lean
+    client's context as they shape redis-py's."""
+    context = Address.from_url("rediss://cache?ssl_min_version=772&ssl_check_hostname=false"
+                               "&ssl_ciphers=ECDHE-RSA-AES128-GCM-SHA256").ssl_context()
+    assert context is not None and context.minimum_version == ssl.TLSVersion.TLSv1_3
+    assert not context.check_hostname
+    tls12 = {c["name"] for c in context.get_ciphers() if c["protocol"] == "TLSv1.2"}
+    assert tls12 == {"ECDHE-RSA-AES128-GCM-SHA256"}
+
+
+@pytest.mark.parametrize(("url", "match"), [
+    ("rediss://cache?ssl_validate_ocsp=true", "ssl_validate_ocsp"),  # redis.asyncio lacks it
+    ("rediss://cache?ssl_cert_reqs=CERT_REQUIRED", "ssl_cert_reqs"),  # redis-py's names only
+    ("rediss://cache?ssl_min_version=tls1.2", "ssl_min_version"),
+])
+def test_tls_options_redis_py_refuses_are_refused(url: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Address.from_url(url).ssl_context()
+
+
+def test_the_url_is_read_by_redis_py_s_parser() -> None:
+    with pytest.raises(ValueError, match="'db'"):
+        Address.from_url("redis://cache?db=first")
+    assert Address.from_url("redis://cache/0?db=5&socket_timeout=2").db == 5
 
 
 def test_address_refuses_other_schemes() -> None:
@@ -71,16 +113,24 @@ def test_login_commands() -> None:
     assert Address(username="app", password="pw").login() == [("AUTH", "app", "pw")]
 
 
-def test_execute_pipelines_and_returns_replies_in_order(conn: Connection) -> None:
-    assert conn.execute([("SET", "k", "v"), ("GET", "k"), ("RPUSH", "l", "a", "b"),
-                         ("LRANGE", "l", 0, -1)]) == [b"OK", b"v", 2, [b"a", b"b"]]
+def test_execute_pipelines_and_returns_replies_in_order(
+        conn: Connection | PipelineConnection) -> None:
+    assert conn.execute([("INCRBY", "k", 7), ("GET", "k"), ("RPUSH", "l", "a", "b"),
+                         ("LRANGE", "l", 0, -1)]) == [7, b"7", 2, [b"a", b"b"]]
 
 
-def test_error_reply_raises_and_leaves_the_connection_usable(conn: Connection) -> None:
-    conn.call("SET", "k", "v")
+def test_error_reply_raises_and_leaves_the_connection_usable(
+        conn: Connection | PipelineConnection) -> None:
+    conn.call("INCR", "k")
     with pytest.raises(RespError, match="WRONGTYPE"):
-        conn.execute([("LPUSH", "k", "x"), ("PING",)])
-    assert conn.call("GET", "k") == b"v"
+        conn.execute([("LPUSH", "k", "x"), ("ECHO", "x")])
+    assert conn.call("GET", "k") == b"1"
+
+
+def test_an_unknown_script_reads_noscript(conn: Connection | PipelineConnection) -> None:
+    """The dispatcher looks for the code to send the script itself (redis-py drops it)."""
+    with pytest.raises(RespError, match=r"^NOSCRIPT "):
+        conn.execute([("EVALSHA", "0" * 40, 0)])
 
 
 def test_transient_errors_read_as_a_lost_connection() -> None:
@@ -91,7 +141,8 @@ def test_transient_errors_read_as_a_lost_connection() -> None:
     assert check(b"OK") == b"OK"
 
 
-def test_deferred_replies_are_read_before_the_next_command(conn: Connection) -> None:
+def test_deferred_replies_are_read_before_the_next_command(
+        conn: Connection | PipelineConnection) -> None:
     seen: list[list[object]] = []
     conn.send([("INCR", "n"), ("INCR", "n")], seen.append)
     conn.send([("INCR", "n")], seen.append)
@@ -99,29 +150,30 @@ def test_deferred_replies_are_read_before_the_next_command(conn: Connection) -> 
     assert seen == [[1, 2], [3]]
 
 
-def test_deferred_error_replies_are_logged_not_raised(conn: Connection,
+def test_deferred_error_replies_are_logged_not_raised(conn: Connection | PipelineConnection,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     conn.call("SET", "k", "v")
-    with caplog.at_level(logging.ERROR, logger="batching.resp"):
+    with caplog.at_level(logging.ERROR):
         conn.send([("LPUSH", "k", "x"), ("INCR", "n")])
         assert conn.call("GET", "n") == b"1"
     assert "WRONGTYPE" in caplog.text
 
 
-def test_flush_reads_every_deferred_reply(conn: Connection) -> None:
+def test_flush_reads_every_deferred_reply(conn: Connection | PipelineConnection) -> None:
     seen: list[list[object]] = []
     conn.send([("INCR", "n")], seen.append)
     conn.flush()
     assert seen == [[1]]
 
 
-def test_reconnects_after_redis_restarts(server: RedisServer, conn: Connection) -> None:
+def test_reconnects_after_redis_restarts(server: RedisServer,
+                                         conn: Connection | PipelineConnection) -> None:
     conn.send([("INCR", "n")])
     server.stop()
     with pytest.raises(OSError):
-        conn.call("PING")
+        conn.call("ECHO", "x")
     server.start()
-    assert conn.call("PING") == b"PONG"
+    assert conn.call("ECHO", "x") == b"x"
     assert conn.call("GET", "n") is None  # a fresh Redis; nothing stale was read
 
 
@@ -141,7 +193,7 @@ def test_logs_in_and_selects_the_database(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_spin_polls_instead_of_sleeping_then_sleeps(conn: Connection, server: RedisServer,
+def test_spin_polls_instead_of_sleeping_then_sleeps(lean: Connection, server: RedisServer,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A BLPOP answered 0.3 s later: with a 0.15 s spin the client polls (yielding the CPU
     on every turn) for 0.15 s, then sleeps until the reply comes."""
@@ -156,7 +208,7 @@ def test_spin_polls_instead_of_sleeping_then_sleeps(conn: Connection, server: Re
         pusher = threading.Timer(0.3, push)
         started = time.perf_counter()
         pusher.start()
-        assert conn.execute([("BLPOP", "q", 5)], spin_s)[0] == [b"q", b"x"]
+        assert lean.execute([("BLPOP", "q", 5)], spin_s)[0] == [b"q", b"x"]
         pusher.join()
         return started
 

@@ -20,8 +20,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.keys import Keys
 from batching.lifetime import die_with_parent
+from batching.redis_links import blocking_link
 from batching.repository_scan import failure_reason, load_model_config
-from batching.resp import Address, Connection
 from batching.settings import Settings
 from workers.backends import load_model
 from workers.events import make_batch_events
@@ -67,7 +67,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     heartbeat = Heartbeat(client, keys, model_name, consumer, device,
                           settings.heartbeat_interval_s, on_beat=shared.beat)
     heartbeat.start()
-    link = Connection(Address.from_url(settings.redis_url), timeout_s=BLOCK_MS / 1000 + 5)
+    link = blocking_link(settings.redis_url, BLOCK_MS / 1000 + 5, settings.lean_redis)
     streams = ModelStreams(client, link, keys.queues(model_name, config.queue.priority_levels),
                            keys.stats(model_name), keys.rows_waiting(model_name), consumer,
                            settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name))

@@ -1,0 +1,28 @@
+"""The Redis scripts of ``batching/lua/``, read one way: their text and its SHA1.
+
+Every caller gets a script here, whether it sends the text with ``EVAL``, its SHA1 with
+``EVALSHA`` or hands the text to redis-py's ``register_script``; one place reads the
+package data, so no caller depends on how it is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    name: str
+    text: str = field(repr=False)
+    sha: str
+    """The SHA1 Redis caches the script under, for ``EVALSHA``."""
+
+
+@cache
+def script(name: str) -> Script:
+    """``batching/lua/<name>.lua``; raises ``FileNotFoundError`` for an unknown name."""
+    text = resources.files("batching").joinpath("lua").joinpath(f"{name}.lua").read_text()
+    return Script(name, text, hashlib.sha1(text.encode()).hexdigest())
