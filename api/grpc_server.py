@@ -193,7 +193,8 @@ class GrpcEndpoint:
         """Bind and serve; the server is built here, inside the running event loop."""
         self._server = grpc.aio.server(options=grpc_listener.server_options(self._settings),
                                        interceptors=self._interceptors)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, self._server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            self._servicer, self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         port = grpc_listener.add_port(self._server, self._settings)

@@ -19,10 +19,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -121,7 +121,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         ttl = settings.job_result_ttl_s
         pipe = service.dispatcher.redis.pipeline(transaction=False)
         pipe.set(keys.job_input(record.id), inputs, ex=ttl)
-        pipe.hset(keys.job(record.id), mapping=record.to_hash())
+        pipe.hset(keys.job(record.id), mapping=cast(Mapping[Any, str], record.to_hash()))
         pipe.expire(keys.job(record.id), ttl)
         pipe.sadd(keys.jobs_active(), record.id)
         for listing in {keys.jobs_listed(""), keys.jobs_listed(record.owner)}:
@@ -150,7 +150,8 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
                                   else principal.digest)
         redis = service.dispatcher.redis
         with _redis_guard():
-            ids = [as_text(i) for i in await redis.zrevrange(listed, offset, offset + limit - 1)]
+            ids = [as_text(i) for i in await redis.zrevrange(listed, offset, offset + limit - 1)
+                   if isinstance(i, bytes | str)]
             pipe = redis.pipeline(transaction=False)
             for job_id in ids:
                 pipe.hgetall(keys.job(job_id))
@@ -179,7 +180,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             chunks = await service.dispatcher.redis.hgetall(keys.job_chunks(job_id))
         if len(chunks) != record.chunks:
             raise ModelNotFound(f"the result of job {job_id} expired")
-        ordered = [unpack_tensors(chunks[str(i).encode()]) for i in range(record.chunks)]
+        ordered = [unpack_tensors(cast(bytes, chunks[str(i).encode()])) for i in range(record.chunks)]
         binary = binary_data_output or BINARY_TYPE in request.headers.get("accept", "")
         shape = InferRequest(id=job_id, inputs=[], rows=record.total, binary_default=binary)
         content, json_length = render(record.model, shape, join_chunks(ordered))

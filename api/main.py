@@ -59,7 +59,8 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
     scan = scan_repository(settings.model_repository, settings.model_filter() or None)
     models = scan.models
     if dispatcher is None:
-        dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6)
+        dispatcher = Dispatcher(settings.redis_url, keys, settings.busy_poll_us / 1e6,
+                                lean=settings.lean_redis)
     watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
                         settings.heartbeat_stale_s, broken=scan.failed)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),

@@ -48,7 +48,7 @@ def model_statistics(model: str, raw: dict[bytes, bytes]) -> dict[str, Any]:
     def duration(name: str) -> dict[str, int]:
         return {"count": counters.get(f"{name}_count", 0), "ns": counters.get(f"{name}_ns", 0)}
 
-    batches = []
+    batches: list[dict[str, Any]] = []
     for key, count in counters.items():
         kind, _, rest = key.partition(":")
         rows, _, what = rest.partition(":")

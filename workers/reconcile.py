@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from importlib import resources
 
 import redis
 from redis.commands.core import Script
+
+from batching.lua import script
 
 log = logging.getLogger("conveyor.reconcile")
 
@@ -29,7 +30,7 @@ RECONCILE_EVERY_S = 2.0
 SCAN_BYTES = 1 << 20
 """Streams up to this size are read entry by entry for an exact sum (about a millisecond
 of Redis time); larger ones only bound the counter by their entry count."""
-RECONCILE_LUA = resources.files("batching").joinpath("lua/reconcile.lua").read_text()
+RECONCILE_LUA = script("reconcile").text
 
 
 @dataclass(slots=True)

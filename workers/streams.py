@@ -15,7 +15,6 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from importlib import resources
 from typing import Any
 
 import redis
@@ -24,7 +23,9 @@ from redis.exceptions import ResponseError
 from batching.envelope import FIELD, ROWS_FIELD, Reply, Request
 from batching.former import Entry
 from batching.keys import GROUP
-from batching.resp import Command, Connection, RespError
+from batching.lua import script
+from batching.redis_links import BlockingLink
+from batching.resp import Command, RespError
 from workers.reconcile import RowsReconciler
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ FLUSH_EVERY_S = 0.1
 """Statistics counters reach Redis at most this late while a model is busy."""
 DLQ_MAXLEN = 10_000
 """The dead-letter stream keeps about this many of the latest failures."""
-RELEASE_LUA = resources.files("batching").joinpath("lua/release.lua").read_bytes()
+RELEASE_LUA = script("release").text.encode()
 """Sent whole with each EVAL: nothing to reload when a restarted Redis lost its scripts
 (Redis caches it by its hash, which costs it a microsecond per call)."""
 
@@ -45,7 +46,7 @@ def _no_loss(why: str) -> None:
 
 
 class ModelStreams:
-    def __init__(self, client: redis.Redis, link: Connection, streams: list[str], stats_key: str,
+    def __init__(self, client: redis.Redis, link: BlockingLink, streams: list[str], stats_key: str,
                  rows_key: str, consumer: str, busy_poll_s: float = 0.0, *,
                  suspects_key: str) -> None:
         self._redis = client
