@@ -37,7 +37,7 @@ async def _client_loop(protocol: str, url: str, model: str, input_name: str, wid
     if protocol == "grpc":
         import tritonclient.grpc.aio as client_module
     else:
-        import tritonclient.http.aio as client_module  # type: ignore[no-redef]
+        import tritonclient.http.aio as client_module
     client = client_module.InferenceServerClient(url)
     item = client_module.InferInput(input_name, [rows, width], "FP32")
     item.set_data_from_numpy(data)

@@ -28,11 +28,11 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from bench.grpc_load import run_load
 from bench.models import LAYERS, write_repository
-from bench.wrk import run_wrk
+from bench.wrk import WrkResult, run_wrk
 from conveyor.harness import ProcessGroup, RedisServer, free_port, group_cpu_s, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def least_noisy(attempt: Callable[[], Point], args: argparse.Namespace) -> Point
     return best
 
 
-Load = Callable[[int, float], Any]
+Load = Callable[[int, int], WrkResult]
 """(connections, seconds) -> a result with rps, p50_ms, p99_ms and errors."""
 
 
@@ -135,6 +135,14 @@ def wrk_point(system: str, url: str, body: str, groups: list[ProcessGroup], args
               concurrency: int) -> Point:
     return load_point(system, lambda c, s: run_wrk(url, body, connections=c, duration_s=s),
                       groups, args, concurrency)
+
+
+def python_client_load(protocol: str, address: str, model: str, width: int) -> Load:
+    """Load from bench.grpc_load's Python clients (at most two processes) on ``model``."""
+    def load(connections: int, seconds: int) -> WrkResult:
+        return run_load(protocol, address, model, "INPUT0", width, connections=connections,
+                        duration_s=seconds, processes=min(2, connections))
+    return load
 
 
 def load_point(system: str, load: Load, groups: list[ProcessGroup], args: argparse.Namespace,
@@ -231,9 +239,7 @@ def bench_conveyor(model: str, body: str, args: argparse.Namespace, work: Path,
                                       ("grpc", f"127.0.0.1:{grpc_port}")):
                 points += [load_point(
                     f"{system}, {protocol} (Python client)",
-                    lambda c, s, p=protocol, a=address: run_load(
-                        p, a, model, "INPUT0", width, connections=c, duration_s=s,
-                        processes=min(2, c)),
+                    python_client_load(protocol, address, model, width),
                     groups, args, c) for c in (1, max(args.concurrency))]
     return points
 

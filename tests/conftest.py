@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import pytest
@@ -94,8 +95,14 @@ class Stack:
             proc.stop()
 
 
+class MakeStack(Protocol):
+    """The ``make_stack`` fixture: a stack serving ``repository`` with ``env`` on top of the usual."""
+
+    def __call__(self, repository: Path = ..., **env: str) -> Stack: ...
+
+
 @pytest.fixture
-def make_stack(redis_server: RedisServer, logdir: Path) -> Iterator[type[Stack]]:
+def make_stack(redis_server: RedisServer, logdir: Path) -> Iterator[MakeStack]:
     """Build stacks inside a test; every stack made is stopped afterwards."""
     made: list[Stack] = []
 
@@ -104,7 +111,7 @@ def make_stack(redis_server: RedisServer, logdir: Path) -> Iterator[type[Stack]]
         made.append(stack)
         return stack
 
-    yield factory  # type: ignore[misc]
+    yield factory
     for stack in made:
         stack.stop()
 

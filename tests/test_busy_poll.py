@@ -12,10 +12,11 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import httpx
 
-from tests.conftest import TEST_MODELS, Stack
+from tests.conftest import TEST_MODELS, MakeStack
 
 WINDOW_S = 0.8
 MODEL_S = 2.0
@@ -33,7 +34,7 @@ def runnable_share(pid: int, start: float, end: float) -> float:
     return sum(samples) / len(samples)
 
 
-def test_a_lone_request_polls_for_the_window_then_sleeps(make_stack: type[Stack],
+def test_a_lone_request_polls_for_the_window_then_sleeps(make_stack: MakeStack,
                                                          tmp_path: Path) -> None:
     shutil.copytree(TEST_MODELS / "slow", tmp_path / "slow")
     config = tmp_path / "slow" / "config.yaml"
@@ -43,7 +44,7 @@ def test_a_lone_request_polls_for_the_window_then_sleeps(make_stack: type[Stack]
     url = stack.add_api()
     stack.add_worker()
     stack.wait_ready()
-    beats = stack.redis().hgetall(f"{stack.prefix}:{{slow}}:workers")
+    beats = cast(dict[bytes, bytes], stack.redis().hgetall(f"{stack.prefix}:{{slow}}:workers"))
     inference_pid = next(json.loads(v)["pid"] for k, v in beats.items()
                          if not k.endswith(b":slot"))
     api_pid = stack.apis[0][0].pid

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ async def serve_one(client: aioredis.Redis) -> Request:
     """Act as a worker: take the oldest entry and answer it."""
     while not (entries := await client.xrange(STREAM, count=1)):
         await asyncio.sleep(0.005)
-    entry_id, fields = entries[0]
+    entry_id, fields = cast(tuple[bytes, dict[bytes, bytes]], entries[0])
     await client.xdel(STREAM, entry_id)
     sent = Request.decode(fields[FIELD])
     await client.rpush(sent.reply, Reply(sent.id, sent.inputs, batch_rows=sent.rows).encode())
@@ -117,7 +118,7 @@ def test_requests_are_admitted_and_answered_by_id(server: RedisServer) -> None:
         waiting = [asyncio.ensure_future(dispatcher.submit(admission(r.rows), r, 5))
                    for r in (first, second)]
         await asyncio.sleep(0.05)
-        assert int(await client.get(KEYS.rows_waiting("m"))) == 4
+        assert int(cast(bytes, await client.get(KEYS.rows_waiting("m")))) == 4
         served = [await serve_one(client), await serve_one(client)]
         replies = await asyncio.gather(*waiting)
         assert [s.id for s in served] == [first.id, second.id]

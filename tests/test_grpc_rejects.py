@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any, cast
 
 import pytest
 
 from tests.procs import ROOT
 
 
-def probe(model: str, mode: str) -> dict:
+def probe(model: str, mode: str) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-m", "tests.grpc_rejects_probe", model, mode],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return cast(dict[str, Any], json.loads(done.stdout.splitlines()[-1]))
 
 
 @pytest.mark.parametrize("model,error", [

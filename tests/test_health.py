@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import numpy as np
 
+from tests.conftest import MakeStack
 from tests.procs import wait_for
 
 
-def test_readiness_false_without_worker_true_after_and_false_again(make_stack) -> None:
+def test_readiness_false_without_worker_true_after_and_false_again(make_stack: MakeStack) -> None:
     stack = make_stack(CONVEYOR_MODELS="echo")
     url = stack.add_api()
     assert httpx.get(f"{url}/v2/health/live").status_code == 200
@@ -30,13 +33,13 @@ def test_readiness_false_without_worker_true_after_and_false_again(make_stack) -
     assert stack.redis().hlen(f"{stack.prefix}:{{echo}}:workers") == 0
 
 
-def test_never_ready_with_zero_models(make_stack, tmp_path) -> None:
+def test_never_ready_with_zero_models(make_stack: MakeStack, tmp_path: Path) -> None:
     stack = make_stack(repository=tmp_path)
     url = stack.add_api()
     assert httpx.get(f"{url}/v2/health/ready").status_code == 503
 
 
-def test_two_apis_and_two_workers_share_the_streams(make_stack) -> None:
+def test_two_apis_and_two_workers_share_the_streams(make_stack: MakeStack) -> None:
     stack = make_stack(CONVEYOR_MODELS="echo")
     urls = [stack.add_api(), stack.add_api()]
     stack.add_worker()

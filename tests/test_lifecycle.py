@@ -9,10 +9,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from tests.conftest import MakeStack, Stack
 from tests.procs import wait_for
 
 
-def started(stack, value: float) -> bool:
+def started(stack: Stack, value: float) -> bool:
     log = Path(stack.extra_env["ECHO_LOG"])
     return log.exists() and f"{value:g}" in log.read_text().split()
 
@@ -23,7 +24,7 @@ def slow_request(url: str, value: float) -> httpx.Response:
         {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": x.ravel().tolist()}]})
 
 
-def test_sigterm_to_the_api_lets_in_flight_requests_finish(make_stack, tmp_path) -> None:
+def test_sigterm_to_the_api_lets_in_flight_requests_finish(make_stack: MakeStack, tmp_path: Path) -> None:
     stack = make_stack(CONVEYOR_MODELS="slow", ECHO_LOG=str(tmp_path / "ran"))
     url = stack.add_api()
     stack.add_worker()
@@ -39,7 +40,8 @@ def test_sigterm_to_the_api_lets_in_flight_requests_finish(make_stack, tmp_path)
     wait_for(lambda: not api.alive(), 10, "the API to exit")
 
 
-def test_sigterm_to_a_worker_finishes_and_acks_the_running_batch(make_stack, tmp_path) -> None:
+def test_sigterm_to_a_worker_finishes_and_acks_the_running_batch(make_stack: MakeStack,
+                                                                 tmp_path: Path) -> None:
     stack = make_stack(CONVEYOR_MODELS="slow", ECHO_LOG=str(tmp_path / "ran"))
     url = stack.add_api()
     worker = stack.add_worker()
@@ -59,7 +61,7 @@ def test_sigterm_to_a_worker_finishes_and_acks_the_running_batch(make_stack, tmp
     assert r.hlen(f"{stack.prefix}:{{slow}}:workers") == 0
 
 
-def test_worker_probe_reports_readiness_of_its_processes(make_stack) -> None:
+def test_worker_probe_reports_readiness_of_its_processes(make_stack: MakeStack) -> None:
     stack = make_stack(CONVEYOR_MODELS="echo")
     stack.add_api()
     worker = stack.add_worker()

@@ -22,7 +22,7 @@ from batching.envelope import Reply, Request, Tensor
 from batching.errors import Overloaded
 from batching.keys import Keys
 from batching.redis_links import blocking_link
-from tests.conftest import Stack
+from tests.conftest import MakeStack
 from tests.procs import RedisServer
 from workers.streams import ModelStreams
 
@@ -94,7 +94,7 @@ def test_the_dispatcher_and_the_streams_answer_on_either_client(
     assert not thread.is_alive()
 
 
-def test_a_stack_with_the_lean_client_off_answers(make_stack: type[Stack]) -> None:
+def test_a_stack_with_the_lean_client_off_answers(make_stack: MakeStack) -> None:
     stack = make_stack(CONVEYOR_LEAN_REDIS="0", CONVEYOR_MODELS="echo")
     stack.add_api()
     stack.add_worker()

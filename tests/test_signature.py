@@ -25,7 +25,8 @@ def test_valid_request_returns_rows() -> None:
     ([("a", "FP32", (9, 3)), ("b", "INT64", (9, 1))], "at most 8"),
     ([("a", "FP32", (0, 3)), ("b", "INT64", (0, 1))], "at least 1"),
 ])
-def test_invalid_requests_name_the_input_and_expectation(given: list, message: str) -> None:
+def test_invalid_requests_name_the_input_and_expectation(given: list[tuple[str, str, tuple[int, ...]]],
+                                                        message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         check_inputs(CONFIG, given)
 
