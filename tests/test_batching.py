@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import TEST_MODELS, Stack
-from tests.procs import wait_for
+from tests.procs import RedisServer, wait_for
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+def stack(redis_server: RedisServer, logdir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     log = tmp_path_factory.mktemp("batching") / "executed.log"
     stack = Stack(redis_server.url, TEST_MODELS, logdir, extra_env={
         "ECHO_LOG": str(log), "CONVEYOR_MODELS": "ordered,oom,ragged,padded"})
@@ -83,7 +84,7 @@ def test_out_of_memory_above_n_rows_serves_everything_and_learns_the_cap(stack: 
         beats = stack.redis().hgetall(f"{stack.prefix}:{{oom}}:workers").values()
         return [json.loads(v)["row_cap"] for v in beats if b"row_cap" in v]
 
-    wait_for(lambda: caps() and max(caps()) <= fit, 5, "the learned cap to settle at or below N")
+    wait_for(lambda: bool(caps()) and max(caps()) <= fit, 5, "the learned cap to settle at or below N")
 
 
 def test_a_row_out_of_memory_alone_fails_alone(stack: Stack) -> None:

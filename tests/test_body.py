@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 import pytest
 from starlette.requests import Request as StarletteRequest
+from starlette.types import Message
 
 from api import body as body_module
 from api.body import BodyLimits, inflate
@@ -103,7 +104,7 @@ async def call(route: InferRoute, chunks: list[bytes], headers: dict[str, str] |
         result.chunks_read += 1
         return {"type": "http.request", "body": chunks[i], "more_body": i + 1 < len(chunks)}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         if message["type"] == "http.response.start":
             result.status = message["status"]
             result.headers = dict(message["headers"])

@@ -5,16 +5,25 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from tests.conftest import MODELS, Stack
+from tests.procs import RedisServer
+
+
+def sample(metrics: str, pattern: str) -> float:
+    """The value that ``pattern``'s group captures in the Prometheus text ``metrics``."""
+    found = re.search(pattern, metrics)
+    assert found is not None, pattern
+    return float(found[1])
 
 
 @pytest.fixture(scope="module")
-def digits_stack(redis_server, logdir) -> Iterator[Stack]:
+def digits_stack(redis_server: RedisServer, logdir: Path) -> Iterator[Stack]:
     stack = Stack(redis_server.url, MODELS, logdir)
     stack.add_api()
     stack.add_worker()
@@ -51,9 +60,8 @@ def test_tritonclient_64_concurrent_clients_get_correct_predictions(digits_stack
     assert accuracy >= 0.95
 
     metrics = httpx.get(f"{digits_stack.url}/metrics").text
-    total = float(re.search(r'conveyor_batch_size_count\{model="digits"\} (\S+)', metrics)[1])
-    single = float(re.search(r'conveyor_batch_size_bucket\{le="1.0",model="digits"\} (\S+)',
-                             metrics)[1])
+    total = sample(metrics, r'conveyor_batch_size_count\{model="digits"\} (\S+)')
+    single = sample(metrics, r'conveyor_batch_size_bucket\{le="1.0",model="digits"\} (\S+)')
     assert total >= len(x)
     assert single < total, "no request ran in a batch larger than one"
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -17,11 +18,11 @@ from celery import Celery
 from batching.keys import Keys
 from tests.conftest import TEST_MODELS, Stack
 from tests.jobs_stack import add_job_worker, rows, start_flower, submit, watch
-from tests.procs import ROOT, wait_for
+from tests.procs import ROOT, RedisServer, wait_for
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, logdir) -> Iterator[tuple[Stack, str]]:
+def stack(redis_server: RedisServer, logdir: Path) -> Iterator[tuple[Stack, str]]:
     stack = Stack(redis_server.url, TEST_MODELS, logdir, extra_env={"CONVEYOR_MODELS": "echo"})
     flower, flower_url = start_flower(stack)
     stack.workers.append(flower)
@@ -91,9 +92,14 @@ def test_flower_lists_the_job_task_with_progress_and_every_batch(stack: tuple[St
     assert any(name.startswith("jobs-") for name in workers)
 
 
+Replies = list[dict[str, dict[str, Any]]]
+"""What a broadcast with ``reply=True`` returns (Celery types it as optional): one
+{worker name: answer} per worker."""
+
+
 def stats(control: Celery) -> dict[str, Any]:
     """conveyor_stats of the inference worker (the job worker answers {})."""
-    replies = control.control.broadcast("conveyor_stats", reply=True, timeout=5, limit=2)
+    replies = cast(Replies, control.control.broadcast("conveyor_stats", reply=True, timeout=5, limit=2))
     answers = {name: body for reply in replies for name, body in reply.items()}
     assert len(answers) == 2, answers
     [inference] = [body for name, body in answers.items() if name.startswith("worker-")]
@@ -103,8 +109,8 @@ def stats(control: Celery) -> dict[str, Any]:
 
 def set_batching(control: Celery, **arguments: Any) -> dict[str, Any]:
     """conveyor_set_batching's answer from the inference worker (a job worker declines)."""
-    replies = control.control.broadcast("conveyor_set_batching", arguments=arguments,
-                                        reply=True, timeout=5, limit=2)
+    replies = cast(Replies, control.control.broadcast("conveyor_set_batching", arguments=arguments,
+                                                      reply=True, timeout=5, limit=2))
     answers = {name: body for reply in replies for name, body in reply.items()}
     assert len(answers) == 2, answers
     [declined] = [body for name, body in answers.items() if name.startswith("jobs-")]

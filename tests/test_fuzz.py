@@ -69,7 +69,8 @@ def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -
 
 def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stack) -> None:
     api, url = fuzz_stack.apis[0]
-    report = Path(api.log_path).with_name("fuzz-report.json")
+    assert api.log_path is not None
+    report = api.log_path.with_name("fuzz-report.json")
     run = subprocess.run(
         [sys.executable, "-m", "bench.fuzz", "--url", url,
          "--grpc", f"127.0.0.1:{fuzz_stack.env['CONVEYOR_GRPC_PORT']}", "--pid", str(api.pid),

@@ -8,21 +8,22 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 
 from batching.keys import Keys
-from tests.conftest import Stack
+from tests.conftest import MakeStack, Stack
 from tests.procs import wait_for
 
 
-def body(values: np.ndarray, **extra: object) -> dict:
+def body(values: np.ndarray, **extra: object) -> dict[str, Any]:
     return {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(values.shape),
                         "data": values.ravel().tolist()}], **extra}
 
 
-def infer(url: str, model: str, payload: dict, timeout: float = 30) -> httpx.Response:
+def infer(url: str, model: str, payload: dict[str, Any], timeout: float = 30) -> httpx.Response:
     return httpx.post(f"{url}/v2/models/{model}/infer", json=payload, timeout=timeout)
 
 
@@ -95,8 +96,8 @@ def test_an_unreadable_entry_is_dropped_and_releases_its_rows(echo_stack: Stack)
     assert infer(echo_stack.url, "echo", body(np.ones((1, 4), np.float32))).status_code == 200
 
 
-def test_api_processes_sharing_a_multiprocess_dir_report_their_sum(make_stack, tmp_path: Path
-                                                                   ) -> None:
+def test_api_processes_sharing_a_multiprocess_dir_report_their_sum(make_stack: MakeStack,
+                                                                   tmp_path: Path) -> None:
     stack = make_stack(CONVEYOR_MODELS="echo", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     first, second = stack.add_api(), stack.add_api()
     stack.add_worker()

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httpx
 import numpy as np
@@ -31,7 +31,7 @@ from tests.jobs_stack import (
     wait_done,
     watch,
 )
-from tests.procs import ROOT, wait_for
+from tests.procs import ROOT, RedisServer, wait_for
 
 PICKY = """
 import numpy as np
@@ -50,7 +50,8 @@ class Model:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+def stack(redis_server: RedisServer, logdir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """echo (20 ms a batch, logging what it runs) and picky (fails on negative rows)."""
     folder = tmp_path_factory.mktemp("jobs")
     shutil.copytree(TEST_MODELS / "echo", folder / "models" / "echo")
@@ -83,7 +84,7 @@ def rows_waiting(stack: Stack) -> int:
 
 def job_keys(stack: Stack, job_id: str) -> set[str]:
     return {k.decode().removeprefix(f"{stack.prefix}:job:{{{job_id}}}")
-            for k in stack.redis().keys(f"{stack.prefix}:job:{{{job_id}}}*")}
+            for k in cast(list[bytes], stack.redis().keys(f"{stack.prefix}:job:{{{job_id}}}*"))}
 
 
 def test_3000_rows_come_back_in_order_with_rising_progress(stack: Stack) -> None:
@@ -210,7 +211,7 @@ def test_interactive_latency_stays_low_while_a_large_job_runs(stack: Stack) -> N
     x = rows(9000)
     job_id = submit(stack, x)
     wait_done(stack, job_id, 200)
-    latencies = []
+    latencies: list[float] = []
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [7, 7, 7, 7]}],
             "parameters": {"priority": 1}}
     with httpx.Client(timeout=10) as client:
@@ -235,7 +236,7 @@ def test_a_killed_inference_process_only_delays_the_job(stack: Stack) -> None:
     x = rows(3000, start=10_000)
     job_id = submit(stack, x)
     wait_done(stack, job_id, 600)
-    beats = stack.redis().hgetall(f"{stack.prefix}:{{echo}}:workers")
+    beats = cast(dict[bytes, bytes], stack.redis().hgetall(f"{stack.prefix}:{{echo}}:workers"))
     [victim] = [json.loads(v)["pid"] for k, v in beats.items() if not k.endswith(b":slot")]
     os.kill(victim, signal.SIGKILL)
     final, seen = watch(stack, job_id, timeout=90)

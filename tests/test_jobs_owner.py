@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -103,8 +103,8 @@ def test_only_the_submitting_key_or_an_admin_key_sees_lists_and_cancels_a_job(
     stored = keyed.redis()
     owners = {stored.hget(f"{keyed.prefix}:job:{{{job}}}", "owner") for job in (mine, theirs)}
     assert owners == {key_digest("alice-key").encode(), key_digest("bob-key").encode()}
-    dump = b"".join(v for key in stored.scan_iter(f"{keyed.prefix}:*")
-                    if stored.type(key) == b"hash" for v in stored.hgetall(key).values())
+    dump = b"".join(v for key in stored.scan_iter(f"{keyed.prefix}:*") if stored.type(key) == b"hash"
+                    for v in cast(dict[bytes, bytes], stored.hgetall(key)).values())
     assert b"alice-key" not in dump and b"bob-key" not in dump
 
 

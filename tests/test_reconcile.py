@@ -175,6 +175,7 @@ def test_a_restart_that_loses_data_is_reconciled_at_once(logdir: Path, keys: Key
         reclaimer = Reclaimer(streams._redis, keys, MODEL, streams, 5.0)
         loop = InferenceLoop(config, load_model(config, folder, "cpu"), streams, reclaimer,
                              SharedState(multiprocessing.get_context("spawn")), keys)
+        assert isinstance(loop.reconciler, RowsReconciler)
         loop.reconciler.interval_s = 3600.0
         loop.step()  # reconciles once at the start, then only hourly
         server.stop()

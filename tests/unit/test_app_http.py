@@ -5,6 +5,7 @@ body limits as the settings set them. What needs real workers is in tests/test_i
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from tests.unit.conftest import serve, unit_settings
 from tests.unit.memory_dispatch import MemoryDispatcher
 
 
-def body(values: np.ndarray, **extra: object) -> dict:
+def body(values: np.ndarray, **extra: object) -> dict[str, Any]:
     return {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(values.shape),
                         "data": values.ravel().tolist()}], **extra}
 
@@ -38,7 +39,7 @@ def body(values: np.ndarray, **extra: object) -> dict:
       "outputs": [{"name": "nope"}]}, 400, "unknown output 'nope'"),
 ])
 def test_bad_input_gets_a_precise_400(client: TestClient, dispatcher: MemoryDispatcher,
-                                      payload: dict, status: int, message: str) -> None:
+                                      payload: dict[str, Any], status: int, message: str) -> None:
     response = client.post("/v2/models/echo/infer", json=payload)
     assert response.status_code == status
     assert message in response.json()["error"]
