@@ -19,12 +19,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
 
-from tests.conftest import ROOT, Stack
-from tests.procs import RedisServer, wait_for
+from tests.conftest import MakeStack, Stack
+from tests.procs import ROOT, RedisServer, wait_for
 
 pytestmark = pytest.mark.chaos
 
@@ -46,7 +47,7 @@ class Load:
     """Closed-loop clients hammering one model until stopped."""
 
     url: str
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -72,8 +73,10 @@ class Load:
                 self.outcomes.append(one(client, self.url, float(c * 100000 + i), self.params))
 
 
-def one(client: httpx.Client, url: str, value: float, params: dict | None = None) -> Outcome:
-    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [value, 0]}]}
+def one(client: httpx.Client, url: str, value: float,
+        params: dict[str, Any] | None = None) -> Outcome:
+    body: dict[str, Any] = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [value, 0]}]}
     if params:
         body["parameters"] = params
     sent = time.monotonic()
@@ -89,7 +92,7 @@ def one(client: httpx.Client, url: str, value: float, params: dict | None = None
 
 
 def inference_pids(stack: Stack) -> list[int]:
-    beats = stack.redis().hgetall(f"{stack.prefix}:{{work}}:workers")
+    beats = cast(dict[bytes, bytes], stack.redis().hgetall(f"{stack.prefix}:{{work}}:workers"))
     return [json.loads(v)["pid"] for k, v in beats.items()
             if not k.endswith(b":slot") and json.loads(v).get("state") == "ready"]
 
@@ -99,7 +102,7 @@ def ready(stack: Stack) -> bool:
 
 
 def keys(stack: Stack) -> set[bytes]:
-    return {k for k in stack.redis().keys(f"{stack.prefix}:*") if b":reply:" not in k}
+    return {k for k in cast(list[bytes], stack.redis().keys(f"{stack.prefix}:*")) if b":reply:" not in k}
 
 
 def quiesced(stack: Stack) -> None:
@@ -122,7 +125,7 @@ def report(name: str, outcomes: list[Outcome], **figures: float) -> None:
 
 
 @pytest.fixture
-def chaos_stack(make_stack) -> Iterator[Stack]:
+def chaos_stack(make_stack: MakeStack) -> Iterator[Stack]:
     stack = make_stack(MODELS, CONVEYOR_HEARTBEAT_STALE_S="2")
     stack.add_api()
     stack.add_worker()
@@ -214,7 +217,8 @@ def test_poison_request_fails_alone(chaos_stack: Stack) -> None:
     assert keys(stack) - before == {dlq}
 
 
-def test_overload_gets_fast_429s_and_accepted_requests_stay_fast(make_stack, tmp_path) -> None:
+def test_overload_gets_fast_429s_and_accepted_requests_stay_fast(make_stack: MakeStack,
+                                                                  tmp_path: Path) -> None:
     shutil.copytree(MODELS / "work", tmp_path / "work")
     config = tmp_path / "work" / "config.yaml"
     config.write_text(config.read_text().replace("max_queue_rows: 64", "max_queue_rows: 8")
@@ -243,7 +247,7 @@ def test_overload_gets_fast_429s_and_accepted_requests_stay_fast(make_stack, tmp
     quiesced(stack)
 
 
-def test_redis_outage_fast_503_then_full_service(make_stack, logdir) -> None:
+def test_redis_outage_fast_503_then_full_service(make_stack: MakeStack, logdir: Path) -> None:
     server = RedisServer(logdir)
     try:
         stack = make_stack(MODELS)
@@ -279,7 +283,7 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError(f"no RSS for {pid}")
 
 
-def test_redis_restarted_empty_under_load_heals(make_stack, logdir, tmp_path) -> None:
+def test_redis_restarted_empty_under_load_heals(make_stack: MakeStack, logdir: Path, tmp_path: Path) -> None:
     """Item 12 of issue 10: Redis SIGKILLed and restarted without persistence while many
     clients with deadlines fill a small queue and CPU hogs overload the host. Every request
     is answered quickly, and soon after the restart the counter matches the streams: plain

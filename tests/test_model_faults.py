@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import grpc
 import httpx
@@ -27,7 +28,7 @@ from batching.names import model_folder, valid_name
 from batching.repository_scan import scan_repository, scrub_paths, stale_entries, status_table
 from batching.settings import Settings
 from conveyor import cli
-from tests.conftest import TEST_MODELS
+from tests.conftest import TEST_MODELS, MakeStack
 from tests.procs import RedisServer, free_port, service_env, start_api, wait_for
 from workers.supervisor import Supervisor
 
@@ -100,9 +101,13 @@ def _start(settings: Settings, logdir: Path) -> Iterator[httpx.Client]:
         proc.stop()
 
 
+Api = tuple[httpx.Client, Settings]
+"""The ``api`` fixture: a client of the API process and the settings it runs with."""
+
+
 @pytest.fixture
 def api(redis_server: RedisServer, tmp_path: Path,
-        logdir: Path) -> Iterator[tuple[httpx.Client, Settings]]:
+        logdir: Path) -> Iterator[Api]:
     settings = Settings(redis_url=redis_server.url, model_repository=_repository(tmp_path),
                         key_prefix=f"mf{time.monotonic_ns()}", grpc_port=free_port(),
                         heartbeat_interval_s=0.1, model_control="explicit")
@@ -122,7 +127,7 @@ def _beat(settings: Settings, model: str, state: str, **extra: object) -> None:
                     json.dumps({"state": state, "model": model, "ts": time.time(), **extra}))
 
 
-def test_broken_configs_are_unavailable_and_the_rest_serves(api, logdir: Path) -> None:
+def test_broken_configs_are_unavailable_and_the_rest_serves(api: Api, logdir: Path) -> None:
     client, settings = api
     log = "".join(p.read_text() for p in logdir.glob(f"api-{settings.key_prefix}-*.log"))
     assert "| Model         | Version | Status " in log
@@ -141,14 +146,14 @@ def test_broken_configs_are_unavailable_and_the_rest_serves(api, logdir: Path) -
     assert 'conveyor_model_state{model="echo",state="READY"} 0.0' in metrics
 
 
-def test_stale_repository_state_is_dropped_at_start(api) -> None:
+def test_stale_repository_state_is_dropped_at_start(api: Api) -> None:
     _, settings = api
     with redis.Redis.from_url(settings.redis_url) as client:
         recorded = client.hkeys(Keys(settings.key_prefix).repository())
     assert sorted(recorded) == [b"schema_broken", b"yaml_broken"]
 
 
-def test_bad_names_get_one_answer_on_every_path(api) -> None:
+def test_bad_names_get_one_answer_on_every_path(api: Api) -> None:
     client, settings = api
     outside = settings.model_repository.parent / "outside"
     shutil.copytree(TEST_MODELS / "echo", outside / "evil")
@@ -183,7 +188,7 @@ def test_bad_names_get_one_answer_on_every_path(api) -> None:
     assert "escape" not in names
 
 
-def test_unmatched_routes_answer_error(api) -> None:
+def test_unmatched_routes_answer_error(api: Api) -> None:
     client, _ = api
     assert client.get("/nope").json() == {"error": "Not Found"}
     response = client.get("/v2/repository/index")
@@ -193,7 +198,7 @@ def test_unmatched_routes_answer_error(api) -> None:
     assert response.json()["error"].startswith("invalid request: query.limit: ")
 
 
-def test_readiness_counts_failed_models_as_settled(api) -> None:
+def test_readiness_counts_failed_models_as_settled(api: Api) -> None:
     client, settings = api
     assert client.get("/v2/health/ready").status_code == 503  # echo: no worker yet
     _beat(settings, "echo", "failed", reason="echo: RuntimeError: boom", since=time.time())
@@ -207,7 +212,7 @@ def test_readiness_counts_failed_models_as_settled(api) -> None:
                       "reason": "echo: RuntimeError: boom"}]
 
 
-def test_load_answers_when_a_worker_reports_failure(api) -> None:
+def test_load_answers_when_a_worker_reports_failure(api: Api) -> None:
     client, settings = api
     _beat(settings, "echo", "failed", reason="echo: old failure", since=time.time() - 5)
     answers: list[httpx.Response] = []
@@ -251,8 +256,9 @@ def test_supervisor_ignores_bad_names_and_adds_slots_once(tmp_path: Path) -> Non
     supervisor = Supervisor(Settings(model_repository=root, redis_url="redis://127.0.0.1:1/0"))
     assert sorted(supervisor.models) == ["echo"]
     loaded = json.dumps({"state": "loaded", "ts": 1.0}).encode()
-    states = {name.encode(): loaded for name in (str(outside / "evil"), "../outside/evil",
-                                                  "escape", "echo", "yaml_broken", LONG)}
+    states: dict[bytes | str, bytes | str] = {
+        name.encode(): loaded
+        for name in (str(outside / "evil"), "../outside/evil", "escape", "echo", "yaml_broken", LONG)}
     states[b"schema_broken"] = b"{written by hand"
     for _ in range(5):
         supervisor._apply_repository(states)
@@ -263,7 +269,7 @@ def test_supervisor_ignores_bad_names_and_adds_slots_once(tmp_path: Path) -> Non
     assert [s.model for s in supervisor.slots] == ["echo"]
 
 
-def test_a_model_that_raises_while_loading_fails_alone(make_stack, tmp_path: Path) -> None:
+def test_a_model_that_raises_while_loading_fails_alone(make_stack: MakeStack, tmp_path: Path) -> None:
     """Real worker: the failing model's reason reaches the index and a load at once, the
     server is ready with the rest, and names in Redis that are no folder start nothing."""
     root = tmp_path / "repo"
@@ -302,7 +308,8 @@ def test_a_model_that_raises_while_loading_fails_alone(make_stack, tmp_path: Pat
 
 
 def test_models_cli_lists_loads_unloads_and_resets(redis_server: RedisServer, tmp_path: Path,
-                                                   monkeypatch, capsys) -> None:
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     root = _repository(tmp_path)
     prefix = f"cli{time.monotonic_ns()}"
     url = redis_server.url.replace("redis://", "redis://:S3cret@")
@@ -321,7 +328,7 @@ def test_models_cli_lists_loads_unloads_and_resets(redis_server: RedisServer, tm
     assert "| echo          | 1       | folder ok; recorded unloaded; workers 1 ready" in out
     assert "| gone          | 1       | folder absent; recorded unloaded; workers -" in out
     assert "yaml_broken   | 1       | folder invalid: yaml_broken: " in out
-    recorded = json.loads(client.hget(f"{prefix}:repository", "echo"))
+    recorded = json.loads(cast(bytes, client.hget(f"{prefix}:repository", "echo")))
     assert recorded["state"] == "unloaded" and recorded["ts"] > 1.0
 
     assert cli.main(["models", "reset", "gone"]) == 0
