@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -23,8 +25,8 @@ import tritonclient.grpc.aio as aiogrpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import Stack
-from tests.procs import free_port, wait_for
+from tests.conftest import MakeStack, Stack
+from tests.procs import RedisServer, free_port, wait_for
 from tests.protocol_stack import (
     DATATYPES,
     assert_round_trip,
@@ -36,12 +38,14 @@ from tests.protocol_stack import (
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+def stack(redis_server: RedisServer, logdir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from protocol_stack(redis_server, logdir,
                               build_repository(tmp_path_factory.mktemp("grpc-repo")))
 
 
-def alltypes_inputs(arrays: dict[str, np.ndarray], module=grpcclient) -> list:
+def alltypes_inputs(arrays: dict[str, np.ndarray], module: ModuleType = grpcclient
+                    ) -> list[grpcclient.InferInput]:
     inputs = []
     for datatype, array in arrays.items():
         item = module.InferInput(f"IN_{datatype}", list(array.shape), datatype)
@@ -50,7 +54,7 @@ def alltypes_inputs(arrays: dict[str, np.ndarray], module=grpcclient) -> list:
     return inputs
 
 
-def results(result) -> dict[str, np.ndarray]:
+def results(result: grpcclient.InferResult) -> dict[str, np.ndarray]:
     return {d: result.as_numpy(f"OUT_{d}") for d in DATATYPES}
 
 
@@ -72,7 +76,7 @@ def test_every_datatype_round_trips(stack: Stack) -> None:
 
 
 def test_async_client_concurrent_requests(stack: Stack) -> None:
-    async def run() -> list:
+    async def run() -> list[grpcclient.InferResult]:
         client = aiogrpcclient.InferenceServerClient(grpc_url(stack))
         try:
             assert await client.is_model_ready("alltypes")
@@ -86,8 +90,12 @@ def test_async_client_concurrent_requests(stack: Stack) -> None:
         assert_round_trip(sample(1, 2, seed), results(result))
 
 
+StreamAnswer = tuple[grpcclient.InferResult | None, InferenceServerException | None]
+"""What a stream's callback gets: a result, or (result None) an error."""
+
+
 def test_stream_answers_every_request_and_reports_errors_in_band(stack: Stack) -> None:
-    answers: queue.Queue = queue.Queue()
+    answers: queue.Queue[StreamAnswer] = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url(stack))
     client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
     for i in range(6):
@@ -103,6 +111,7 @@ def test_stream_answers_every_request_and_reports_errors_in_band(stack: Stack) -
         if error is not None:
             errors.append(error)
         else:
+            assert result is not None
             got[result.get_response().id] = result.as_numpy("y")
     client.stop_stream()
     client.close()
@@ -163,7 +172,7 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
     item.set_data_from_numpy(np.ones((1, 4), np.float32))
     wrong_type = grpcclient.InferInput("x", [1, 4], "INT32")
     wrong_type.set_data_from_numpy(np.ones((1, 4), np.int32))
-    cases = [
+    cases: list[tuple[Callable[[], object], str, str]] = [
         (lambda: client.infer("missing", [item]), "NOT_FOUND", "unknown model 'missing'"),
         (lambda: client.infer("echo", [item], model_version="3"), "NOT_FOUND", "no version"),
         (lambda: client.get_model_metadata("missing"), "NOT_FOUND", "unknown model"),
@@ -202,7 +211,7 @@ def test_standard_health_service_and_metrics(stack: Stack) -> None:
     assert re.search(r'conveyor_protocol_requests_total\{protocol="grpc"\} [1-9]', text)
 
 
-def test_without_workers_grpc_answers_unavailable_and_health_not_serving(make_stack) -> None:
+def test_without_workers_grpc_answers_unavailable_and_health_not_serving(make_stack: MakeStack) -> None:
     stack = make_stack(CONVEYOR_GRPC_PORT=str(free_port()), CONVEYOR_MODELS="echo")
     stack.add_api()
     client = grpcclient.InferenceServerClient(grpc_url(stack))

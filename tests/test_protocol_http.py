@@ -6,7 +6,10 @@ import asyncio
 import gzip
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeAlias, cast
 
 import httpx
 import numpy as np
@@ -17,7 +20,7 @@ import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
-from tests.procs import wait_for
+from tests.procs import RedisServer, wait_for
 from tests.protocol_stack import (
     DATATYPES,
     assert_round_trip,
@@ -29,12 +32,13 @@ from tests.protocol_stack import (
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+def stack(redis_server: RedisServer, logdir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from protocol_stack(redis_server, logdir,
                               build_repository(tmp_path_factory.mktemp("http-repo")))
 
 
-Client = httpclient.InferenceServerClient
+Client: TypeAlias = httpclient.InferenceServerClient
 
 
 @pytest.fixture
@@ -43,7 +47,8 @@ def client(stack: Stack) -> Iterator[Client]:
         yield made
 
 
-def alltypes_inputs(arrays: dict[str, np.ndarray], binary: bool, module=httpclient) -> list:
+def alltypes_inputs(arrays: dict[str, np.ndarray], binary: bool,
+                    module: ModuleType = httpclient) -> list[httpclient.InferInput]:
     inputs = []
     for datatype, array in arrays.items():
         item = module.InferInput(f"IN_{datatype}", list(array.shape), datatype)
@@ -52,13 +57,14 @@ def alltypes_inputs(arrays: dict[str, np.ndarray], binary: bool, module=httpclie
     return inputs
 
 
-def alltypes_outputs(binary: bool | None, module=httpclient) -> list | None:
+def alltypes_outputs(binary: bool | None, module: ModuleType = httpclient
+                     ) -> list[httpclient.InferRequestedOutput] | None:
     if binary is None:
         return None  # tritonclient then asks for every output as binary
     return [module.InferRequestedOutput(f"OUT_{d}", binary_data=binary) for d in DATATYPES]
 
 
-def results(result) -> dict[str, np.ndarray]:
+def results(result: httpclient.InferResult) -> dict[str, np.ndarray]:
     return {d: result.as_numpy(f"OUT_{d}") for d in DATATYPES}
 
 
@@ -76,7 +82,7 @@ def test_every_datatype_round_trips(stack: Stack, client: Client, binary_in: boo
 def test_async_client_binary_and_json_with_compression(stack: Stack) -> None:
     arrays = sample(rows=3, cols=2, seed=2)
 
-    async def run() -> list:
+    async def run() -> list[httpclient.InferResult]:
         client = aiohttpclient.InferenceServerClient(http_host(stack))
         try:
             assert await client.is_server_ready()
@@ -163,13 +169,17 @@ def test_config_follows_triton_shape(stack: Stack, client: Client) -> None:
 
 
 def test_statistics_count_requests_and_batches(stack: Stack, client: Client) -> None:
-    def current() -> dict:
-        return client.get_inference_statistics("onnx_mlp")["model_stats"][0]
+    def current() -> dict[str, Any]:
+        return cast(dict[str, Any], client.get_inference_statistics("onnx_mlp")["model_stats"][0])
 
     # Counters of earlier tests may still be on their way (workers flush every 0.1 s).
     seen = [current()]
-    wait_for(lambda: seen.append(current()) or seen[-1] == seen[-2], 5, "settled statistics",
-             interval=0.3)
+
+    def settled() -> bool:
+        seen.append(current())
+        return seen[-1] == seen[-2]
+
+    wait_for(settled, 5, "settled statistics", interval=0.3)
     before = seen[-1]
     item = httpclient.InferInput("X", [3, 4], "FP32")
     item.set_data_from_numpy(np.ones((3, 4), np.float32))
@@ -199,7 +209,7 @@ def test_statistics_count_requests_and_batches(stack: Stack, client: Client) -> 
 def test_errors_map_to_statuses(stack: Stack, client: Client) -> None:
     item = httpclient.InferInput("x", [1, 4], "FP32")
     item.set_data_from_numpy(np.ones((1, 4), np.float32))
-    cases = [
+    cases: list[tuple[Callable[[], object], str, str]] = [
         (lambda: client.infer("missing", [item]), "404", "unknown model 'missing'"),
         (lambda: client.infer("echo", [item], model_version="7"), "404", "no version '7'"),
         (lambda: client.get_model_config("missing"), "404", "unknown model"),

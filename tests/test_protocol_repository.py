@@ -6,6 +6,8 @@ import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeAlias, cast
 
 import httpx
 import numpy as np
@@ -15,17 +17,18 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TEST_MODELS, Stack
-from tests.procs import free_port, wait_for
+from tests.procs import RedisServer, free_port, wait_for
 from tests.protocol_stack import build_repository, grpc_url, http_host, protocol_stack
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, logdir, tmp_path_factory) -> Iterator[Stack]:
+def stack(redis_server: RedisServer, logdir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from protocol_stack(redis_server, logdir,
                               build_repository(tmp_path_factory.mktemp("repo-repo")))
 
 
-Client = httpclient.InferenceServerClient
+Client: TypeAlias = httpclient.InferenceServerClient
 
 
 @pytest.fixture
@@ -40,7 +43,7 @@ def echo_input(value: float = 1.0) -> httpclient.InferInput:
     return item
 
 
-def index(stack: Stack) -> dict[str, dict]:
+def index(stack: Stack) -> dict[str, dict[str, Any]]:
     response = httpx.post(f"{stack.url}/v2/repository/index", content=b"")
     assert response.status_code == 200, response.text
     return {entry["name"]: entry for entry in response.json()}
@@ -80,7 +83,7 @@ def test_in_flight_requests_finish_across_an_unload(stack: Stack, http: Client) 
     """The slow model takes 600 ms a batch; it is unloaded while one request runs."""
     def infer_in_thread() -> np.ndarray:
         with httpclient.InferenceServerClient(http_host(stack), network_timeout=60) as client:
-            return client.infer("slow", [echo_input(5.0)]).as_numpy("y")
+            return cast(np.ndarray, client.infer("slow", [echo_input(5.0)]).as_numpy("y"))
 
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(infer_in_thread)
