@@ -24,6 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from api import grpc_listener
 from api.grpc_codec import infer_response, parameters, parse_request
 from api.kserve import InferRequest
+from api.periodic import Periodic
 from api.proto import inference_pb2 as pb
 from api.proto import inference_pb2_grpc as pb_grpc
 from api.repository_control import Repository
@@ -186,8 +187,8 @@ class GrpcEndpoint:
         self._interceptors = list(interceptors)
         self._servicer = InferenceServicer(service, repository)
         self._settings = settings
-        self._interval_s = settings.heartbeat_interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("conveyor-grpc-health", settings.heartbeat_interval_s,
+                              self._update_health)
 
     async def start(self) -> None:
         """Bind and serve; the server is built here, inside the running event loop."""
@@ -200,21 +201,14 @@ class GrpcEndpoint:
         port = grpc_listener.add_port(self._server, self._settings)
         await self._server.start()
         await self._update_health()
-        self._task = asyncio.create_task(self._run(), name="conveyor-grpc-health")
+        self._loop.start()
         log.info("gRPC serving on %s%s", grpc_listener.address(self._settings.host, port),
                  " (TLS)" if self._settings.tls_cert_file is not None else "")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.close()
         await self._health.enter_graceful_shutdown()
         await self._server.stop(STOP_GRACE_S)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self._update_health()
 
     async def _update_health(self) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if self._service.watch.server_ready()

@@ -6,7 +6,6 @@ infer path read the cached view, so neither costs a Redis round trip.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -17,6 +16,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from api.dispatch_port import DispatchPort
+from api.periodic import Periodic
 from batching.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -51,21 +51,18 @@ class WorkerWatch:
         self._keys = keys
         self._models = models
         self._broken = broken
-        self._interval_s = interval_s
         self._stale_s = stale_s
         self.view: dict[str, ModelWorkers] = {m: ModelWorkers() for m in models}
         self._served_at: dict[str, float] = {}
         """When each model last had a serving worker (monotonic seconds)."""
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("conveyor-worker-watch", interval_s, self.refresh)
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._run(), name="conveyor-worker-watch")
+        self._loop.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._loop.close()
 
     def model_ready(self, model: str) -> bool:
         return self._dispatcher.redis_ok and self.view.get(model, ModelWorkers()).ready > 0
@@ -92,11 +89,6 @@ class WorkerWatch:
         return (self._dispatcher.redis_ok and bool(self._models or self._broken)
                 and all(self.model_ready(m) or self.failure(m) is not None
                         for m in self._models))
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self.refresh()
 
     async def refresh(self) -> None:
         redis = self._dispatcher.redis

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
+from api.periodic import Periodic
 from batching.config import ModelConfig
 from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
 from batching.keys import Keys
@@ -67,11 +68,10 @@ class Repository:
         self._dispatcher = dispatcher
         self._watch = watch
         self._keys = keys
-        self._interval_s = interval_s
         self._control = control
         self._seen: dict[str, bytes] = {}
         """The hash value last applied per model: only changes are acted on."""
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("conveyor-repository-watch", interval_s, self.sync)
 
     async def start(self) -> None:
         await self.drop_stale()
@@ -79,17 +79,10 @@ class Repository:
         rows = state_rows(self._models, self._failed, self._unloaded)
         level = logging.WARNING if self._failed else logging.INFO  # seen by default then
         log.log(level, "model repository %s:\n%s", self.root, status_table(rows))
-        self._task = asyncio.create_task(self._run(), name="conveyor-repository-watch")
+        self._loop.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self.sync()
+        await self._loop.close()
 
     async def drop_stale(self) -> None:
         """Forget recorded loads and unloads of models whose folder is gone."""
