@@ -170,9 +170,9 @@ class Dispatcher:
         if isinstance(reply, OSError | RespError):
             self._mark_down(reply)
             fut.set_exception(Unavailable(f"Redis is unreachable: {reply}"))
-        elif reply < 0:
+        elif reply[0] < 0:
             fut.set_exception(Overloaded(
-                f"queue full: {-reply - 1} rows waiting, limit {admission.max_rows} "
+                f"queue full: {-reply[0] - 1} rows waiting, limit {admission.max_rows} "
                 "(max_queue_rows)"))
 
     def _mark_down(self, exc: BaseException) -> None:

@@ -33,7 +33,7 @@ from batching.backoff import Backoff
 from batching.envelope import Reply, Request, Tensor
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.job_record import (
-    JOB_ADMIT_LUA,
+    ADMIT_LUA,
     LEASE_LUA,
     TRANSITION_LUA,
     UNFINISHED,
@@ -107,7 +107,7 @@ class JobRunner:
         self._reply_key = keys.job_replies(record.id)
         self._stream = keys.queue(record.model, record.priority)
         self._rows_key = keys.rows_waiting(record.model)
-        self._admit = client.register_script(JOB_ADMIT_LUA)
+        self._admit = client.register_script(ADMIT_LUA)
         self._withdraw = client.register_script(WITHDRAW_LUA)
         self._transition = client.register_script(TRANSITION_LUA)
         self._lease = client.register_script(LEASE_LUA)
