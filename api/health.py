@@ -13,11 +13,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from api.dispatch_port import DispatchPort
 from api.periodic import Periodic
 from batching.keys import Keys
+from batching.redis_errors import REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class WorkerWatch:
             for model in models:
                 pipe.hgetall(self._keys.workers(model))
             results = await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             self._dispatcher.redis_ok = False
             log.debug("heartbeat refresh failed: %s", exc)
             return

@@ -26,14 +26,12 @@ from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from redis.exceptions import RedisError
 
 from api.auth import PRINCIPAL, Principal
 from api.body import LargeBody, content_length, read_body
 from api.kserve import InferRequest, json_object, parse_document, render
-from api.service import InferenceService
+from api.service import InferenceService, requested_priority
 from batching.callbacks import AllowList, check_callback
-from batching.config import ModelConfig
 from batching.envelope import Reply
 from batching.errors import InvalidInput, ModelNotFound, Unavailable
 from batching.job_record import (
@@ -46,6 +44,7 @@ from batching.job_record import (
     pack_tensors,
     unpack_tensors,
 )
+from batching.redis_errors import REDIS_FAILED
 from batching.repository_scan import as_text
 from batching.settings import Settings
 from conveyor.celery_client import celery_app, send_job
@@ -101,7 +100,9 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
                       if claim.held else parse_document(doc, binary, job_config))
         record = JobRecord(
             id=uuid.uuid4().hex, model=model, state=JobState.PENDING, total=parsed.rows,
-            priority=_priority(parsed, config),
+            priority=requested_priority(parsed, config.queue.priority_levels,
+                                        config.queue.priority_levels,
+                                        f"the lowest, {config.queue.priority_levels}"),
             chunk_rows=min(settings.job_chunk_rows or config.max_batch_size,
                            config.max_batch_size),
             max_queue_rows=config.queue.max_queue_rows, created_at=time.time(),
@@ -136,7 +137,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         try:
             await service.dispatcher.redis.delete(keys.job(job_id), keys.job_input(job_id))
             await service.dispatcher.redis.srem(keys.jobs_active(), job_id)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             log.warning("could not remove unqueued job %s: %s", job_id, exc)
 
     @router.get("")
@@ -221,7 +222,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
 def _redis_guard() -> Iterator[None]:
     try:
         yield
-    except (RedisError, OSError) as exc:
+    except REDIS_FAILED as exc:
         raise Unavailable(f"Redis is unreachable: {exc}") from None
 
 
@@ -241,16 +242,6 @@ def _split(body: bytes, header_length: str | None) -> tuple[memoryview, memoryvi
         raise InvalidInput(f"Inference-Header-Content-Length {header_length!r} does not fit a "
                            f"body of {len(body)} bytes")
     return view[:length], view[length:]
-
-
-def _priority(parsed: InferRequest, config: ModelConfig) -> int:
-    """``parameters.priority``: 1 (highest) .. priority_levels; 0 or absent: the lowest."""
-    raw = parsed.parameters.get("priority", 0)
-    levels = config.queue.priority_levels
-    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= levels:
-        raise InvalidInput(f"parameters.priority must be an integer in 0..{levels} "
-                           f"(0 = the lowest, {levels}), got {raw!r}")
-    return raw or levels
 
 
 async def _callback_url(parsed: InferRequest, allowed: AllowList) -> str:

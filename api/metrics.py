@@ -25,10 +25,10 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
 from batching.keys import Keys
+from batching.redis_errors import REDIS_FAILED
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                    5.0, 10.0, 30.0)
@@ -234,7 +234,7 @@ class ApiMetrics:
             pipe.hgetall(keys.stats(model))
         try:
             results = await pipe.execute()
-        except (RedisError, OSError):
+        except REDIS_FAILED:
             return
         self._shared.depth = {(model, str(p)): int(n)
                               for (model, p), n in zip(streams, results, strict=False)}

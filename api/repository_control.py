@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.periodic import Periodic
@@ -31,6 +29,7 @@ from batching.config import ModelConfig
 from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
 from batching.keys import Keys
 from batching.names import model_folder, require_folder, unknown_model
+from batching.redis_errors import REDIS_FAILED
 from batching.repository_scan import (
     as_text,
     failure_reason,
@@ -94,14 +93,14 @@ class Repository:
                 await redis.hdel(self._keys.repository(), *stale)
                 log.warning("dropped the recorded state of models no longer in the "
                             "repository: %s", stale)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             log.warning("could not check the recorded repository state: %s", exc)
 
     async def sync(self) -> None:
         """Apply loads and unloads that any API process recorded in the hash."""
         try:
             states = await self._dispatcher.redis.hgetall(self._keys.repository())
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             log.debug("repository refresh failed: %s", exc)
             return
         for raw_name, raw_value in states.items():
@@ -144,7 +143,7 @@ class Repository:
         value = record_value(state, at)
         try:
             await self._dispatcher.redis.hset(self._keys.repository(), name, value)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         self._seen[name] = value
         return at

@@ -71,7 +71,8 @@ class InferenceService:
             parsed = await parse(config)
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
-            priority = self._priority(config, parsed)
+            priority = requested_priority(parsed, config.queue.priority_levels,
+                                          config.queue.default_priority, "the model's default")
             now_ms = int(time.time() * 1000)
             timeout_ms = float(config.queue.default_timeout_ms)
             asked = parsed.parameters.get("timeout")
@@ -108,18 +109,20 @@ class InferenceService:
         series.batch_size.observe(reply.batch_rows)
         return parsed, reply
 
-    def _priority(self, config: ModelConfig, parsed: InferRequest) -> int:
-        raw = parsed.parameters.get("priority", 0)
-        levels = config.queue.priority_levels
-        if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= levels:
-            raise InvalidInput(f"parameters.priority must be an integer in 0..{levels} "
-                               f"(0 = the model's default), got {raw!r}")
-        return raw or config.queue.default_priority
-
     def _count(self, model: str, outcome: str, started: float) -> None:
         series = self.metrics.of(model)
         series.outcome(outcome).inc()
         series.duration.observe(time.perf_counter() - started)
+
+
+def requested_priority(parsed: InferRequest, levels: int, default: int, default_name: str) -> int:
+    """``parameters.priority``: 1 (highest) .. ``levels``; 0 or absent: ``default``
+    (``default_name`` says which, in the error)."""
+    raw = parsed.parameters.get("priority", 0)
+    if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= levels:
+        raise InvalidInput(f"parameters.priority must be an integer in 0..{levels} "
+                           f"(0 = {default_name}), got {raw!r}")
+    return raw or default
 
 
 def _cost(parsed: InferRequest) -> dict[str, float]:

@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from batching.errors import Unavailable
 from batching.keys import COMPUTE_PHASES, Keys
+from batching.redis_errors import REDIS_FAILED
 
 _ZERO = {"count": 0, "ns": 0}
 
@@ -36,7 +36,7 @@ async def statistics(redis: Redis, keys: Keys, models: list[str]) -> dict[str, A
         for model in models:
             pipe.hgetall(keys.stats(model))
         hashes: list[dict[bytes, bytes]] = await pipe.execute()
-    except (RedisError, OSError) as exc:
+    except REDIS_FAILED as exc:
         raise Unavailable(f"Redis is unreachable: {exc}") from None
     return {"model_stats": [model_statistics(model, raw)
                             for model, raw in zip(models, hashes, strict=True)]}

@@ -25,11 +25,11 @@ import redis
 from celery.worker.control import control_command
 
 from batching.keys import Keys
+from batching.redis_errors import REDIS_FAILED
 from workers.supervisor import Supervisor
 
 KNOBS = ("max_queue_delay_us", "max_batch_size")
 FIGURES = ("batches", "rows", "mean_batch", "row_cap", "max_batch_size", "max_queue_delay_us")
-REDIS_ERRORS = (redis.RedisError, OSError)
 
 _supervisor: Supervisor | None = None
 _redis: redis.Redis | None = None
@@ -56,7 +56,7 @@ def conveyor_stats(state: Any, model: str | None = None) -> dict[str, Any]:
         for name in models:
             pipe.hgetall(keys.workers(name))
         beats = pipe.execute()
-    except REDIS_ERRORS as exc:
+    except REDIS_FAILED as exc:
         return {"error": f"Redis unreachable: {exc}"}
     return {name: _model_stats(name, raw) for name, raw in zip(models, beats, strict=True)}
 
@@ -115,6 +115,6 @@ def conveyor_set_batching(state: Any, model: str, max_queue_delay_us: int | None
     try:
         _redis.hset(Keys(_supervisor.settings.key_prefix).control(model),
                     mapping={k: v for k, v in given.items()})
-    except REDIS_ERRORS as exc:
+    except REDIS_FAILED as exc:
         return {"error": f"Redis unreachable: {exc}"}
     return {"ok": True, "model": model, "set": given}

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.backoff import Backoff
 from batching.envelope import Reply, Request, Tensor
@@ -47,11 +45,11 @@ from batching.job_record import (
     unpack_tensors,
 )
 from batching.keys import GROUP, Keys
+from batching.redis_errors import REDIS_UNREACHABLE
 from batching.settings import Settings
 
 log = logging.getLogger("conveyor.jobs")
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 RETRIED = frozenset({DeadlineExceeded.code, Unavailable.code, Overloaded.code})
 """Reply errors that say nothing about the rows: the chunk is sent again."""
 REPLY_BATCH = 1024
@@ -155,7 +153,7 @@ class JobRunner:
                     return self._finish(JobState.SUCCEEDED)
                 state = self._step()
                 unreachable.reset()
-            except REDIS_ERRORS as exc:
+            except REDIS_UNREACHABLE as exc:
                 delay = unreachable.next()
                 log.warning("job %s: Redis unreachable (%s); retrying in %.1fs", self.record.id,
                             exc, delay)

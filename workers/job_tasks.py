@@ -44,11 +44,12 @@ from batching.job_record import (
     JobState,
 )
 from batching.keys import Keys
+from batching.redis_errors import REDIS_UNREACHABLE
 from batching.repository_scan import as_text
 from batching.settings import Settings
 from batching.urls import mask_url
 from conveyor.celery_client import send_job
-from workers.job_runner import REDIS_ERRORS, JobRunner
+from workers.job_runner import JobRunner
 
 log = logging.getLogger("conveyor.jobs")
 
@@ -257,7 +258,7 @@ class JobReaper(bootsteps.StartStopStep):
         while not self._stop.wait(ctx.settings.job_lease_s / 2):
             try:
                 reap(ctx, app)
-            except REDIS_ERRORS as exc:
+            except REDIS_UNREACHABLE as exc:
                 log.debug("job reaper: Redis unreachable: %s", exc)
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from batching.keys import Keys
 from batching.lifetime import die_with_parent
+from batching.redis_errors import REDIS_UNREACHABLE
 from batching.redis_links import blocking_link
 from batching.repository_scan import failure_reason, load_model_config
 from batching.settings import Settings
@@ -33,7 +32,6 @@ from workers.streams import ModelStreams
 
 log = logging.getLogger("conveyor.inference")
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def consumer_name(model: str, device: str, index: int) -> str:
@@ -96,7 +94,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
         try:
             loop.step()
             backoff = 0.1
-        except REDIS_ERRORS as exc:
+        except REDIS_UNREACHABLE as exc:
             log.warning("Redis unreachable (%s); retrying in %.1fs", exc, backoff)
             time.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
@@ -106,7 +104,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
         if time.monotonic() >= next_report:
             next_report = time.monotonic() + settings.heartbeat_interval_s
             _report_and_follow(loop, heartbeat, client, keys.control(model_name))
-    with contextlib.suppress(*REDIS_ERRORS):
+    with contextlib.suppress(*REDIS_UNREACHABLE):
         streams.flush_counts(force=True)
     heartbeat.stop()
     log.info("%s stopped after %d batches, %d rows", consumer, loop.batches, loop.rows)
@@ -116,14 +114,14 @@ def _report_and_follow(loop: InferenceLoop, heartbeat: Heartbeat, client: redis.
                        control_key: str) -> None:
     """Publish the loop's figures with the next heartbeat; apply run-time overrides."""
     heartbeat.info.update(loop.stats(), policy=loop.policy.estimates())
-    with contextlib.suppress(*REDIS_ERRORS):
+    with contextlib.suppress(*REDIS_UNREACHABLE):
         loop.streams.flush_counts(force=True)
     memory = gpu_memory(heartbeat.info["device"])
     if memory:
         heartbeat.info["gpu_memory"] = memory
     try:
         overrides = client.hgetall(control_key)
-    except REDIS_ERRORS:
+    except REDIS_UNREACHABLE:
         return
     if overrides:
         loop.apply_control({k.decode() if isinstance(k, bytes) else k: int(v)
@@ -145,7 +143,7 @@ def _retry(action: Callable[[], None]) -> None:
         try:
             action()
             return
-        except REDIS_ERRORS as exc:
+        except REDIS_UNREACHABLE as exc:
             log.warning("Redis unreachable (%s); retrying", exc)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)

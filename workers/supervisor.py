@@ -32,6 +32,7 @@ from batching.backoff import Backoff
 from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.names import model_folder
+from batching.redis_errors import REDIS_FAILED
 from batching.repository_scan import (
     as_text,
     failure_reason,
@@ -63,7 +64,6 @@ STOP_GRACE_S = 20.0
 REASON_BYTES = 512
 """Room for the one line an inference process reports when loading its model raised."""
 TICK_S = 0.2
-REDIS_ERRORS = (redis.RedisError, OSError)
 
 
 @dataclass(slots=True)
@@ -144,7 +144,7 @@ class Supervisor:
         self._stop.set()
         self._thread.join(timeout=2.0)
         _stop_processes([s.process for s in self.slots if s.process is not None])
-        with contextlib.suppress(*REDIS_ERRORS):
+        with contextlib.suppress(*REDIS_FAILED):
             for slot in self.slots:
                 self._redis.hdel(self.keys.workers(slot.model), slot.name)
 
@@ -157,7 +157,7 @@ class Supervisor:
                 self._redis.hdel(self.keys.repository(), *stale)
                 log.warning("dropped the recorded state of models no longer in the "
                             "repository: %s", stale)
-        except REDIS_ERRORS as exc:
+        except REDIS_FAILED as exc:
             log.warning("could not check the recorded repository state: %s", exc)
 
     def _add_slots(self, config: ModelConfig) -> None:
@@ -244,7 +244,7 @@ class Supervisor:
                   delay)
         slot.restarts += 1
         slot.next_start = now + delay
-        with contextlib.suppress(*REDIS_ERRORS):
+        with contextlib.suppress(*REDIS_FAILED):
             self._redis.hincrby(self.keys.stats(slot.model), "restart_count", 1)
             # Announce the replacement before the dead heartbeat goes: the model is never
             # without a heartbeat while it is being restarted.
@@ -267,7 +267,7 @@ class Supervisor:
             dead = [c for c in beats if as_text(c).split(":")[1] == str(process.pid)]
             if dead:
                 self._redis.hdel(self.keys.workers(slot.model), *dead)
-        except REDIS_ERRORS as exc:
+        except REDIS_FAILED as exc:
             log.warning("could not clear heartbeat of %s: %s", process.pid, exc)
 
     def _sync_with_redis(self) -> None:
@@ -283,7 +283,7 @@ class Supervisor:
                 else:
                     pipe.hset(key, slot.name, self._slot_beat(slot))
             pipe.execute()
-        except REDIS_ERRORS as exc:
+        except REDIS_FAILED as exc:
             log.debug("Redis unreachable from the supervisor: %s", exc)
 
     def _apply_repository(self, states: Mapping[bytes | str, bytes | str]) -> None:
@@ -320,7 +320,7 @@ class Supervisor:
         try:
             turn_away(self._redis, self.settings.redis_url, self.keys, model,
                       config.queue.priority_levels if config else 1)
-        except (*REDIS_ERRORS, RespError) as exc:
+        except (*REDIS_FAILED, RespError) as exc:
             log.warning("could not answer the unread requests of %s: %s", model, exc)
 
     def _load(self, model: str, old: list[Slot]) -> None:
