@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 
+from batching.keys import Keys
 from tests.integration_marks import starts_processes
 from tests.procs import ROOT, Proc, RedisServer, service_env, start_api, start_worker, wait_for
 
@@ -43,6 +44,19 @@ def redis_server(logdir: Path) -> Iterator[RedisServer]:
     server = RedisServer(logdir)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    """Redis keys under a prefix of this test's own, on the shared ``redis_server``."""
+    return Keys(f"t{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A redis-py client of the shared ``redis_server``, closed after the test."""
+    with redis.Redis.from_url(redis_server.url) as client:
+        yield client
 
 
 @dataclass

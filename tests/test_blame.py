@@ -30,17 +30,6 @@ MODEL = "echo"
 
 
 @pytest.fixture
-def keys() -> Keys:
-    return Keys(f"t{uuid.uuid4().hex[:8]}")
-
-
-@pytest.fixture
-def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    with redis.Redis.from_url(redis_server.url) as client:
-        yield client
-
-
-@pytest.fixture
 def streams_of(redis_server: RedisServer, keys: Keys) -> Iterator[Callable[[str], ModelStreams]]:
     opened: list[redis.Redis | Connection] = []
 

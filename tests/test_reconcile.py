@@ -32,17 +32,6 @@ from workers.streams import ModelStreams
 MODEL = "echo"
 
 
-@pytest.fixture
-def keys() -> Keys:
-    return Keys(f"t{uuid.uuid4().hex[:8]}")
-
-
-@pytest.fixture
-def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    with redis.Redis.from_url(redis_server.url) as client:
-        yield client
-
-
 OPENED: list[redis.Redis | Connection] = []
 """Connections streams_on made; closed after each test."""
 
