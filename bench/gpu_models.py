@@ -119,6 +119,13 @@ def small_cnn() -> Any:
     return net
 
 
+BENCH_MODEL = "resnet50"
+"""The classifier's name in the benchmark's model repository."""
+NETS = {"resnet50": ("ResNet-50", resnet50), "small": ("small CNN", small_cnn)}
+"""The benchmark's --net: the network behind the classifier wrapper (the small one for a
+quick dry run where torchvision is not installed), by its name in the report."""
+
+
 def classifier(net: Any, device: str) -> Any:
     """``net`` behind a wrapper that takes uint8 NHWC images and normalises them on the
     device, in eval mode, in ``compute_dtype(device)``, channels_last."""
