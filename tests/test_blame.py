@@ -37,7 +37,7 @@ def streams_of(redis_server: RedisServer, keys: Keys) -> Iterator[Callable[[str]
         client = redis.Redis.from_url(redis_server.url)
         link = Connection(Address.from_url(redis_server.url), timeout_s=5.0)
         opened.extend([client, link])
-        streams = ModelStreams(client, link, keys.queues(MODEL, 1), keys.stats(MODEL),
+        streams = ModelStreams(client, link, keys.queues(MODEL, 2), keys.stats(MODEL),
                                keys.rows_waiting(MODEL), consumer,
                                suspects_key=keys.suspects(MODEL))
         streams.ensure_groups()
@@ -113,6 +113,23 @@ def test_the_loop_puts_a_redelivered_entry_on_trial_and_clears_it_with_the_answe
     loop.model.predict = watched  # type: ignore[method-assign]
     loop.run(Batch([entry], "test", loop.former.layout))
     streams.settle()
-    assert seen == [entry.entry_id.encode()]
+    assert seen == [f"{entry.stream} {entry.entry_id}".encode()]
     assert not client.exists(keys.suspects(MODEL))
     assert client.xlen(stream) == 0
+
+
+def test_the_blame_names_the_stream_as_well_as_the_entry_id(
+        client: redis.Redis, keys: Keys, streams_of: Callable[[str], ModelStreams]) -> None:
+    """Entry ids of two priority streams may coincide: only the one on trial is blamed."""
+    x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
+    for priority in (1, 2):
+        request = Request(uuid.uuid4().hex, "cv:reply:test", 0, 0, priority, [x])
+        client.xadd(keys.queue(MODEL, priority), {"d": request.encode(), "r": 1}, id="5-0")
+    streams_of("first").read(10, None)
+    second = streams_of("second")
+    held = [e for level in (1, 2) for e in second.claim_from(keys.queue(MODEL, level), "first", 10)]
+    assert [(e.entry_id, e.deliveries) for e in held] == [("5-0", 2), ("5-0", 2)]
+    second.on_trial(held[1])  # the priority-2 entry
+    third = streams_of("third")
+    assert [e.deliveries for e in third.claim_from(keys.queue(MODEL, 1), "second", 10)] == [2]
+    assert [e.deliveries for e in third.claim_from(keys.queue(MODEL, 2), "second", 10)] == [3]

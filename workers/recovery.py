@@ -6,7 +6,10 @@ process claims them:
   process beats no more);
 - after ``min_idle`` from any consumer, sized from the slowest recent batch, so that a
   live but wedged process cannot sit on entries forever.
-Each claim counts as a delivery. Past ``max_deliveries`` an entry goes to the model's
+A claim from a dead consumer counts as a delivery only for the entries it may have died
+of: those on their first delivery, and the re-delivered entry it was running alone
+(:meth:`workers.streams.ModelStreams.on_trial`); a claim from a stuck one counts for
+every entry it takes. Past ``max_deliveries`` an entry goes to the model's
 dead-letter stream and its client gets a 500 naming the failure.
 """
 

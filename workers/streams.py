@@ -107,13 +107,14 @@ class ModelStreams:
         deliveries: dict[str, int] = {}
         for p in pending:
             entry_id, times = _text(p["message_id"]), int(p["times_delivered"])
-            deliveries[entry_id] = times + 1 if times == 1 or entry_id == blamed else times
+            suspect = blamed == _trial(stream, entry_id)
+            deliveries[entry_id] = times + 1 if times == 1 or suspect else times
         claimed: list[Any] = []
         for times in sorted(set(deliveries.values())):
             ids: list[int | bytes | str | memoryview[int]] = [
                 i for i, n in deliveries.items() if n == times]
             claimed += self._redis.xclaim(stream, GROUP, self.consumer, 0, ids, retrycount=times)
-        if blamed in deliveries:  # blamed once: the record has served
+        if any(blamed == _trial(stream, i) for i in deliveries):  # blamed once: it has served
             self._redis.hdel(self.suspects_key, consumer)
         return self._entries(stream, sorted(claimed, key=lambda item: _order(item[0])),
                              deliveries)
@@ -121,7 +122,7 @@ class ModelStreams:
     def on_trial(self, entry: Entry) -> None:
         """Record that this process runs ``entry``, re-delivered, alone: if it dies now,
         :meth:`claim_from` blames that entry only. Cleared with the next answer."""
-        self._redis.hset(self.suspects_key, self.consumer, entry.entry_id)
+        self._redis.hset(self.suspects_key, self.consumer, _trial(entry.stream, entry.entry_id))
         self._on_trial = True
 
     def autoclaim(self, stream: str, min_idle_ms: int, count: int) -> list[Entry]:
@@ -273,6 +274,12 @@ def _rows(fields: Any) -> int:
         return max(0, int(_fields(fields)[ROWS_FIELD]))
     except (KeyError, ValueError, TypeError):
         return 0
+
+
+def _trial(stream: str, entry_id: str) -> str:
+    """What :meth:`ModelStreams.on_trial` records: the stream and the entry id (ids of
+    different streams may coincide)."""
+    return f"{stream} {entry_id}"
 
 
 def _order(entry_id: bytes | str) -> tuple[int, int]:
