@@ -93,22 +93,37 @@ async def read_body(receive: Receive, claim: LargeBody, declared: int | None, li
             raise PayloadTooLarge(f"request body of {declared} bytes is above the limit of "
                                   f"{limit} bytes ({setting})")
         await claim.grow(declared)
-    chunks: list[bytes] = []
-    size = 0
+    body = _Bounded(claim, limit, f"request body is above the limit of {limit} bytes ({setting})")
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise InvalidInput("the client closed the connection before the end of the body")
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body is above the limit of {limit} bytes "
-                                      f"({setting})")
-            chunks.append(chunk)
-            await claim.grow(size)
+        await body.add(message.get("body", b""))
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return body.joined()
+
+
+class _Bounded:
+    """Bytes gathered in pieces, refused with ``PayloadTooLarge(refusal)`` once they pass
+    ``limit``; the large-body claim grows with them."""
+
+    def __init__(self, claim: LargeBody, limit: int, refusal: str) -> None:
+        self._claim = claim
+        self._limit = limit
+        self._refusal = refusal
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    async def add(self, piece: bytes) -> None:
+        if piece:
+            self._size += len(piece)
+            if self._size > self._limit:
+                raise PayloadTooLarge(self._refusal)
+            self._pieces.append(piece)
+            await self._claim.grow(self._size)
+
+    def joined(self) -> bytes:
+        return self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
 
 
 async def drain(receive: Receive) -> None:
@@ -147,8 +162,8 @@ def _zlib_header(body: bytes) -> bool:
 
 async def _inflate(view: memoryview, wbits: int, claim: LargeBody, limit: int) -> bytes:
     stream = zlib.decompressobj(wbits)
-    pieces: list[bytes] = []
-    size = 0
+    out = _Bounded(claim, limit, f"request body inflates to more than the limit of {limit} "
+                                 f"bytes ({MAX_REQUEST_SETTING})")
     pos = 0
     while True:
         data: bytes | memoryview = stream.unconsumed_tail
@@ -156,17 +171,11 @@ async def _inflate(view: memoryview, wbits: int, claim: LargeBody, limit: int) -
             data = view[pos:pos + INFLATE_INPUT]
             pos += len(data)
         piece = stream.decompress(data, INFLATE_STEP)
-        if piece:
-            size += len(piece)
-            if size > limit:
-                raise PayloadTooLarge(f"request body inflates to more than the limit of {limit} "
-                                      f"bytes ({MAX_REQUEST_SETTING})")
-            pieces.append(piece)
-            await claim.grow(size)
+        await out.add(piece)
         if stream.eof:
             pos -= len(stream.unused_data)
             if pos == len(view):
-                return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                return out.joined()
             if wbits != _GZIP_WBITS:
                 raise InvalidInput(f"request body has {len(view) - pos} bytes after the end of "
                                    "its deflate stream")
