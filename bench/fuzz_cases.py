@@ -85,18 +85,12 @@ def _mutate(doc: Any, rng: random.Random) -> Any:
     """Replace one value somewhere in ``doc`` with a random JSON value (in place)."""
     node = doc
     for _ in range(rng.randrange(1, 6)):
-        if isinstance(node, dict) and node:
-            key = rng.choice(list(node))
+        if isinstance(node, dict | list) and node:
+            key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
             if rng.random() < 0.4 or not isinstance(node[key], dict | list):
                 node[key] = _random_json(rng)
                 return doc
             node = node[key]
-        elif isinstance(node, list) and node:
-            index = rng.randrange(len(node))
-            if rng.random() < 0.4 or not isinstance(node[index], dict | list):
-                node[index] = _random_json(rng)
-                return doc
-            node = node[index]
         else:
             break
     return doc

@@ -196,6 +196,7 @@ def test_the_worker_answers_a_held_entry_after_a_restart_without_going_negative(
         [held] = streams.read(10, None)
         server.stop()
         server.start()
+        client.close()
         client = redis.Redis.from_url(server.url)
         admit(client, keys, 2)  # admitted after the restart
         with pytest.raises(OSError):
