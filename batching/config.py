@@ -11,14 +11,16 @@ from batching.config_schema import (
     BACKENDS,
     BatchingSchema,
     ConfigError,
+    CpuThreadsSchema,
     InstanceSchema,
     QueueSchema,
     TensorSchema,
+    intra_op_threads,
     parse_config,
 )
 
-__all__ = ["BACKENDS", "BatchingConfig", "ConfigError", "InstanceGroup", "ModelConfig",
-           "QueueConfig", "TensorSpec"]
+__all__ = ["BACKENDS", "BatchingConfig", "ConfigError", "CpuThreads", "InstanceGroup",
+           "ModelConfig", "QueueConfig", "TensorSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,17 @@ class InstanceGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuThreads:
+    """``cpu_threads``: the thread pools of each inference process's framework."""
+
+    intra_op: int | None = None
+    """None: the cores available to the process, shared among the model's CPU instances."""
+    inter_op: int = 1
+    spin: bool = False
+    """onnxruntime's idle threads spin instead of sleeping (off: the cores are shared)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str
@@ -74,6 +87,7 @@ class ModelConfig:
     max_deliveries: int = 3
     """Deliveries of one entry (each a process that took it and died) before dead-lettering."""
     instances: tuple[InstanceGroup, ...] = (InstanceGroup(),)
+    cpu_threads: CpuThreads = field(default_factory=CpuThreads)
     parameters: dict[str, Any] = field(default_factory=dict)
 
     def input(self, name: str) -> TensorSpec | None:
@@ -90,6 +104,7 @@ class ModelConfig:
         schema, chosen = parse_config(name, raw, backend)
         batching = schema.batching or BatchingSchema()
         queue = schema.queue or QueueSchema()
+        threads = schema.cpu_threads or CpuThreadsSchema()
         return cls(
             name=name,
             backend=chosen,
@@ -106,6 +121,8 @@ class ModelConfig:
             max_deliveries=schema.max_deliveries,
             instances=tuple(InstanceGroup(g.device, g.count)
                             for g in schema.instances or [InstanceSchema()]),
+            cpu_threads=CpuThreads(intra_op_threads(schema, chosen), threads.inter_op,
+                                   threads.spin),
             parameters=dict(schema.parameters or {}),
         )
 

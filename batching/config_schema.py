@@ -27,7 +27,7 @@ MAX_PRIORITY_LEVELS = 64
 _MAX_ISSUES = 5
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _THREADED = {"torchscript", "torch_export", "onnx"}
-"""Backends that read ``parameters.threads``."""
+"""Backends that read ``cpu_threads`` and ``parameters.threads``."""
 
 
 class ConfigError(ValueError):
@@ -98,6 +98,15 @@ class InstanceSchema(_Section):
     count: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
 
 
+class CpuThreadsSchema(_Section):
+    """CPU threads of each inference process; an unset ``intra_op`` is derived from the
+    cores when the model loads (``workers/backends.py``)."""
+
+    intra_op: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    inter_op: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
+    spin: bool = False
+
+
 class ConfigSchema(_Section):
     backend: Annotated[str, AfterValidator(_backend)] | None = None
     max_batch_size: Annotated[int, Field(ge=1, le=INT32_MAX)] = 64
@@ -109,6 +118,7 @@ class ConfigSchema(_Section):
     max_deliveries: Annotated[int, Field(ge=1, le=INT64_MAX)] = 3
     max_batch_cost: _Positive | None = None
     instances: list[InstanceSchema] | None = None
+    cpu_threads: CpuThreadsSchema | None = None
     parameters: dict[str, Any] | None = None
     platform: str | None = None
     """Accepted for compatibility with Triton's configs, and ignored."""
@@ -116,7 +126,8 @@ class ConfigSchema(_Section):
 
 _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     (): ConfigSchema, ("batching",): BatchingSchema, ("queue",): QueueSchema,
-    ("instances",): InstanceSchema, ("inputs",): TensorSchema, ("outputs",): TensorSchema,
+    ("instances",): InstanceSchema, ("cpu_threads",): CpuThreadsSchema,
+    ("inputs",): TensorSchema, ("outputs",): TensorSchema,
     ("inputs", "pad"): PadSchema, ("outputs", "pad"): PadSchema,
 }
 
@@ -290,11 +301,38 @@ def _cross_checks(schema: ConfigSchema, backend: str) -> list[str]:
                         f"({queue.priority_levels}), got {queue.default_priority}")
     for key in ("inputs", "outputs"):
         problems += _tensor_checks(key, getattr(schema, key) or [])
-    threads = (schema.parameters or {}).get("threads")
-    if backend in _THREADED and "threads" in (schema.parameters or {}) and (
-            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        problems.append(f"parameters.threads must be an integer >= 1, got {_short(threads)}")
+    problems += _thread_checks(schema, backend)
     return problems
+
+
+def _thread_checks(schema: ConfigSchema, backend: str) -> list[str]:
+    """``cpu_threads`` and its older spelling ``parameters.threads`` (intra-op threads only)."""
+    problems: list[str] = []
+    cpu = schema.cpu_threads
+    if cpu is not None and backend not in _THREADED:
+        problems.append(f"cpu_threads applies to the {', '.join(sorted(_THREADED))} backends, "
+                        f"not {backend} (a python model reads its own parameters)")
+    elif cpu is not None and cpu.spin and backend != "onnx":
+        problems.append("cpu_threads.spin: true applies to the onnx backend only (torch's "
+                        "thread pool does not take it)")
+    if backend not in _THREADED or "threads" not in (schema.parameters or {}):
+        return problems
+    threads = (schema.parameters or {})["threads"]
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        problems.append(f"parameters.threads must be an integer >= 1, got {_short(threads)}")
+    elif cpu is not None and cpu.intra_op is not None:
+        problems.append("parameters.threads and cpu_threads.intra_op both set the intra-op "
+                        "threads: keep cpu_threads.intra_op")
+    return problems
+
+
+def intra_op_threads(schema: ConfigSchema, backend: str) -> int | None:
+    """The configured intra-op threads (``cpu_threads.intra_op``, else ``parameters.threads``
+    of a backend that reads it), or None: derive them from the cores."""
+    if schema.cpu_threads is not None and schema.cpu_threads.intra_op is not None:
+        return schema.cpu_threads.intra_op
+    threads = (schema.parameters or {}).get("threads") if backend in _THREADED else None
+    return threads if isinstance(threads, int) else None
 
 
 def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:

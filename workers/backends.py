@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import os
 import re
 import sys
 import warnings
@@ -182,12 +183,43 @@ class _PythonModel:
         return _checked(self._config, outputs, inputs)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Threads:
+    """The thread pools one inference process gives its framework."""
+
+    intra_op: int
+    inter_op: int
+    spin: bool
+
+
+def cpu_threads(config: ModelConfig, cores: int | None = None) -> Threads:
+    """``config.cpu_threads``, its intra-op threads, when unset, the ``cores`` available to
+    this process (its CPU affinity) divided among the model's CPU instances, which this
+    worker starts side by side, and at least 1: one instance alone gets every core."""
+    configured = config.cpu_threads
+    intra_op = configured.intra_op
+    if intra_op is None:
+        available = len(os.sched_getaffinity(0)) if cores is None else cores
+        instances = sum(group.count for group in config.instances if group.device == "cpu")
+        intra_op = max(1, available // max(1, instances))
+    return Threads(intra_op, configured.inter_op, configured.spin)
+
+
 def _torch_threads(config: ModelConfig) -> None:
-    """``parameters.threads`` bounds torch's intra-op threads (a worker shares its cores)."""
+    """Size torch's pools before the model runs: the inter-op pool can be sized only once,
+    before any parallel work, which in a freshly spawned inference process has not begun."""
     import torch
 
-    if "threads" in config.parameters:
-        torch.set_num_threads(int(config.parameters["threads"]))
+    threads = cpu_threads(config)
+    torch.set_num_threads(threads.intra_op)
+    if torch.get_num_interop_threads() != threads.inter_op:
+        try:
+            torch.set_num_interop_threads(threads.inter_op)
+        except RuntimeError as exc:  # this process ran parallel work already (another model)
+            log.warning("%s: keeping %d inter-op threads: %s", config.name,
+                        torch.get_num_interop_threads(), exc)
+    log.info("%s: torch runs %d intra-op, %d inter-op threads", config.name,
+             torch.get_num_threads(), torch.get_num_interop_threads())
 
 
 def _load_torchscript(config: ModelConfig, path: Path, device: str) -> LoadedModel:
@@ -216,9 +248,7 @@ def _load_torch_export(config: ModelConfig, path: Path, device: str) -> LoadedMo
 def _load_onnx(config: ModelConfig, path: Path, device: str) -> LoadedModel:
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    if "threads" in config.parameters:
-        options.intra_op_num_threads = int(config.parameters["threads"])
+    options = _onnx_options(config)
     providers: list[Any] = ["CPUExecutionProvider"]
     if device.startswith("cuda"):
         if "CUDAExecutionProvider" in ort.get_available_providers():
@@ -228,6 +258,26 @@ def _load_onnx(config: ModelConfig, path: Path, device: str) -> LoadedModel:
             log.warning("%s: onnxruntime has no CUDA provider; running on CPU", config.name)
     session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     return _OnnxModel(config, session)
+
+
+def _onnx_options(config: ModelConfig) -> Any:
+    """onnxruntime's threads from ``cpu_threads``. Spinning threads poll for work instead of
+    sleeping: faster wake-ups, but a spinning pool takes the cores the API, Redis and other
+    instances need between batches, so it is off unless configured."""
+    import onnxruntime as ort
+
+    threads = cpu_threads(config)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads.intra_op
+    options.inter_op_num_threads = threads.inter_op
+    options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if threads.inter_op > 1
+                              else ort.ExecutionMode.ORT_SEQUENTIAL)
+    spin = "1" if threads.spin else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    log.info("%s: onnxruntime runs %d intra-op, %d inter-op threads, spinning %s", config.name,
+             threads.intra_op, threads.inter_op, "on" if threads.spin else "off")
+    return options
 
 
 def _load_python(config: ModelConfig, path: Path, device: str) -> LoadedModel:
