@@ -7,6 +7,12 @@ group, split the outputs, answer and acknowledge in one pipeline. Every few seco
 at once after Redis failed or lost data, it also recomputes the model's rows-waiting
 counter from its streams (workers/reconcile.py).
 
+Pipelined (``pipelined=True``, as every inference process runs), the model runs on a
+model thread (workers/model_thread.py) while this thread reads what arrives, and when the
+model frees it forms the next batch from everything read meanwhile, launches it, and only
+then answers the batch that just finished. Redis stays on this thread. Without a model
+thread each step runs its batch to the end: what tests that drive the loop step by step use.
+
 Model failures are answered, never fatal. Out of memory halves the batch and the
 learned row cap. A CUDA error that poisons the context stops the process with the batch
 unacknowledged: the supervisor replaces it and another process re-runs the entries.
@@ -14,10 +20,13 @@ unacknowledged: the supervisor replaces it and another process re-runs the entri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,6 +47,7 @@ from workers.backends import (
     is_fatal_device_error,
     is_out_of_memory,
 )
+from workers.model_thread import ModelThread
 from workers.shared_state import SharedState
 from workers.stream_port import ReclaimPort, StreamPort
 
@@ -47,6 +57,9 @@ BLOCK_MS = 1000
 """Longest blocking read; bounds how long a stop request or a reclaim check waits."""
 FLUSH_BLOCK_MS = 100
 """Blocking read while statistics wait to be flushed: idle counters are at most this late."""
+POLL_S = 0.001
+"""While the model runs and the next batch is not full: how often the loop reads again
+(at least; an eighth of the last batch's time for a slow model)."""
 FATAL_EXIT_CODE = 3
 
 Arrays = dict[str, npt.NDArray[Any]]
@@ -64,13 +77,30 @@ class DeviceLost(Exception):
     """The device context is unusable; only a new process can recover."""
 
 
+@dataclass(slots=True)
+class _Outcome:
+    """One batch run by the model, for the loop's thread to answer and count."""
+
+    batch: Batch
+    started: float
+    answered: list[tuple[Entry, Reply]] = field(default_factory=list)
+    finished: float = 0.0
+    phase_ns: list[int] = field(default_factory=lambda: [0, 0, 0])
+    """Nanoseconds spent stacking inputs, in the model, and splitting and packing outputs
+    (Triton's compute_input, compute_infer, compute_output)."""
+    fits: list[tuple[bool, int]] = field(default_factory=list)
+    """Each predict's rows and whether they fitted in device memory, in order: the row cap
+    learns from them on the loop's thread."""
+
+
 class InferenceLoop:
     """One model instance's loop. ``streams`` and ``reclaimer`` are its Redis side
     (:class:`workers.streams.ModelStreams`, :class:`workers.recovery.Reclaimer`) or, in
     unit tests, their in-memory stand-ins (:mod:`workers.memory_streams`)."""
 
     def __init__(self, config: ModelConfig, model: LoadedModel, streams: StreamPort,
-                 reclaimer: ReclaimPort, shared: SharedState, keys: Keys) -> None:
+                 reclaimer: ReclaimPort, shared: SharedState, keys: Keys, *,
+                 pipelined: bool = False) -> None:
         self.config = config
         self.model = model
         self.streams = streams
@@ -92,9 +122,14 @@ class InferenceLoop:
         self.stopping = False
         self._lone = False
         """The last batch was :attr:`Batch.lone`."""
-        self._phase_ns = [0, 0, 0]
-        """Nanoseconds the running batch spent stacking inputs, in the model, and splitting
-        and packing outputs (Triton's compute_input, compute_infer, compute_output)."""
+        self._model: ModelThread[_Outcome] | None = (
+            ModelThread(f"model-{config.name}") if pipelined else None)
+        self._running = 0.0
+        """When the batch on the model thread started (time.monotonic())."""
+        self._lone_running = False
+        """The batch on the model thread is :attr:`Batch.lone`."""
+        self._model_s = 0.0
+        """How long the last batch took in the model thread."""
         self.batches = 0
         self.rows = 0
         self._out_types = {t.name: t.datatype for t in config.outputs}
@@ -119,10 +154,17 @@ class InferenceLoop:
                 "row_cap": self.row_cap.cap, "max_batch_size": self.row_cap.limit,
                 "max_queue_delay_us": int(self.policy.max_delay_s * 1e6)}
 
+    @property
+    def idle(self) -> bool:
+        """Nothing read waits here and no batch runs: a stopping process may exit."""
+        return len(self.former) == 0 and not (self._model and self._model.busy)
+
     def step(self) -> None:
-        """Read, claim, and run at most one batch. A Redis failure propagates (the caller
-        retries), and the next step reconciles the rows-waiting counter: the failure may
-        have been a restart that lost data."""
+        """Read, claim, and run at most one batch (pipelined: launch it, or take the model's
+        result and launch the next). A Redis failure propagates (the caller retries; a
+        batch on the model thread runs on and is answered by a later step), and the next
+        step reconciles the rows-waiting counter: the failure may have been a restart that
+        lost data."""
         try:
             self._step()
         except (OSError, RedisError) as exc:
@@ -130,6 +172,7 @@ class InferenceLoop:
             raise
 
     def _step(self) -> None:
+        busy = self._model is not None and self._model.busy
         bound = self.row_cap.limit
         room = bound - self.former.pending_rows
         now = time.time()
@@ -140,16 +183,20 @@ class InferenceLoop:
                 self._admit(self.reclaimer.poll(now, room))
                 room = bound - self.former.pending_rows
             block = None
-            if len(self.former) == 0:
+            if len(self.former) == 0 and not busy:
                 self.streams.flush_counts()
                 # Buffered counters still waiting: wake up soon to send them.
                 block = FLUSH_BLOCK_MS if self.streams.counts_pending else BLOCK_MS
-            if room > 0:
+            if room > 0 and not (busy and self._lone_running and len(self.former) == 0):
+                # While the model runs the loop never blocks in Redis (a short BLOCK
+                # returns at Redis's next tick, up to 100 ms late); a lone request's
+                # batch is answered first: nothing else is likely to arrive meanwhile.
                 # Poll, not sleep, only in the first wait after a lone request: under more
                 # load the loop seldom sleeps, and polling would take CPU from the
                 # processes feeding it.
                 poll, self._lone = self._lone, False
                 self._arrived(self.streams.read(room, block, poll=poll))
+                room = bound - self.former.pending_rows
             now = time.time()
         elif not self.stopping and self.former.best_priority > 1:
             # Full of lower-priority work (job chunks, say): still let urgent requests in,
@@ -157,17 +204,68 @@ class InferenceLoop:
             urgent = self.streams.streams[:self.former.best_priority - 1]
             self._arrived(self.streams.read(bound, None, urgent))
             now = time.time()
+        self._answer_expired(now)
+        if busy:
+            # Read again soon while the next batch can still grow; else wait for the model.
+            growing = room > 0 and not self.stopping and not (
+                self._lone_running and len(self.former) == 0)
+            poll_s = max(POLL_S, self._model_s / 8)
+            if self._model is not None and self._model.wait(poll_s if growing else None):
+                self._hand_over()
+            return
+        batch = self._form(now)
+        if batch is not None:
+            self._start(batch)
+        elif len(self.former) and not self.stopping:
+            time.sleep(min(self.former.decide(now).wait_s, 0.001))
+
+    def _answer_expired(self, now: float) -> None:
         expired = self.former.take_expired(now)
         if expired:
             self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
+
+    def _form(self, now: float) -> Batch | None:
+        """The batch the policy dispatches now (all that waits when stopping), if any."""
         decision = self.former.decide(now)
-        if not decision.dispatch and not self.stopping:
-            if len(self.former):
-                time.sleep(min(decision.wait_s, 0.001))
+        if not len(self.former) or not (decision.dispatch or self.stopping):
+            return None
+        return self.former.take(decision.reason or "drain",
+                                min(decision.max_rows or self.row_cap.cap, self.row_cap.cap))
+
+    def _start(self, batch: Batch) -> None:
+        """Pipelined, launch ``batch`` on the model thread; else, or when it is on trial,
+        run it here: nothing else runs or is answered while an entry is on trial."""
+        if self._model is None or batch.entries[0].deliveries > 1:
+            self.run(batch)
             return
-        if len(self.former):
-            self.run(self.former.take(decision.reason or "drain",
-                                      min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)))
+        self.streams.settle()
+        self._running = time.monotonic()
+        self._lone_running = batch.lone
+        self._model.launch(partial(self._execute, batch))
+
+    def _hand_over(self) -> None:
+        """The model is free: launch the next batch, formed from everything read while the
+        last one ran, then answer the last one (before the next, if that one is on trial).
+        What the model thread raised (the device lost, say) raises here, once the answers
+        already sent are applied."""
+        assert self._model is not None
+        try:
+            done = self._model.collect()
+        except BaseException:
+            with contextlib.suppress(OSError, RedisError):
+                self.streams.settle()
+            raise
+        self._model_s = time.monotonic() - self._running
+        self._learn_fits(done)
+        now = time.time()
+        self._answer_expired(now)
+        batch = self._form(now)
+        if batch is not None and batch.entries[0].deliveries == 1:
+            self._start(batch)
+            batch = None
+        self._finish(done)
+        if batch is not None:
+            self._start(batch)
 
     def _arrived(self, fresh: list[Entry]) -> None:
         if fresh:
@@ -192,35 +290,58 @@ class InferenceLoop:
         self.streams.count({"reclaimed_count": len(claimed)})
 
     def run(self, batch: Batch) -> None:
+        """Run ``batch`` on this thread and answer it. Every answer sent before is applied
+        first, and a re-delivered entry is put on trial before it runs."""
         self.streams.settle()
         if batch.entries[0].deliveries > 1:  # re-delivered: it runs alone (Former.take)
             self.streams.on_trial(batch.entries[0])
+        done = self._execute(batch)
+        self._learn_fits(done)
+        self._finish(done)
+
+    def _execute(self, batch: Batch) -> _Outcome:
+        """Run ``batch`` through the model (on the model thread when pipelined): touches
+        nothing the loop's thread uses but ``shared.busy_since``, which the supervisor
+        watches for hangs."""
         self.shared.busy_since = time.monotonic()
-        started = time.time()
-        self._phase_ns = [0, 0, 0]
+        done = _Outcome(batch, time.time())
         try:
-            answered = self._run_entries(batch.entries, started)
+            done.answered = self._run_entries(batch.entries, done)
         finally:
             self.shared.busy_since = 0.0
-        finished = time.time()
+        done.finished = time.time()
+        return done
+
+    def _learn_fits(self, done: _Outcome) -> None:
+        """What the batch showed of device memory, in the order it happened."""
+        for fitted, rows in done.fits:
+            if fitted:
+                self.row_cap.on_success(rows)
+            else:
+                self._on_oom(rows)
+        self._publish_cap()
+
+    def _finish(self, done: _Outcome) -> None:
+        """Answer a batch the model ran, and count it."""
+        batch, started, finished = done.batch, done.started, done.finished
         self.batches += 1
         self.rows += batch.rows
         self._lone = batch.lone
-        counters = _batch_counters(answered, batch.rows, started, finished, self._phase_ns)
+        counters = _batch_counters(done.answered, batch.rows, started, finished, done.phase_ns)
         counters[f"reason:{batch.reason}"] = 1
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
         self.streams.note("last_inference", int(finished * 1000))
-        self.streams.answer(answered, counters)
-        done = time.time()
-        self.events(batch.rows, done - started, batch.reason)
-        self.reclaimer.observe_batch(done - started)
-        if all(reply.ok for _, reply in answered):
-            self.policy.observe_batch(batch.rows, done - started, done)
+        self.streams.answer(done.answered, counters)
+        answered = time.time()
+        self.events(batch.rows, answered - started, batch.reason)
+        self.reclaimer.observe_batch(answered - started)
+        if all(reply.ok for _, reply in done.answered):
+            self.policy.observe_batch(batch.rows, answered - started, answered)
 
-    def _run_entries(self, entries: list[Entry], started: float) -> list[tuple[Entry, Reply]]:
+    def _run_entries(self, entries: list[Entry], done: _Outcome) -> list[tuple[Entry, Reply]]:
         rows = sum(e.rows for e in entries)
         batch = Batch(entries, "", self.former.layout)
-        phases = self._phase_ns
+        phases = done.phase_ns
         begun = time.perf_counter_ns()
         try:
             inputs = batch.stacked_inputs()
@@ -232,14 +353,14 @@ class InferenceLoop:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
                     for e in entries]
         except _OutOfMemory:
+            done.fits.append((False, rows))
             if len(entries) == 1:
-                return [(entries[0], self._oom_alone(entries[0]))]
+                return [(entries[0], self._oom_alone(entries[0], done))]
             half = len(entries) // 2
-            return (self._run_entries(entries[:half], started)
-                    + self._run_entries(entries[half:], started))
-        self.row_cap.on_success(rows)
-        self._publish_cap()
-        exec_ms = (time.time() - started) * 1000.0
+            return (self._run_entries(entries[:half], done)
+                    + self._run_entries(entries[half:], done))
+        done.fits.append((True, rows))
+        exec_ms = (time.time() - done.started) * 1000.0
         splitting = time.perf_counter_ns()
         answered = []
         for entry, own in zip(entries, batch.split(outputs), strict=True):
@@ -248,15 +369,15 @@ class InferenceLoop:
                        for name, arr in own.items() if not wanted or name in wanted]
             answered.append((entry, Reply(
                 entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
-                queue_ms=max(0.0, started * 1000.0 - entry.request.enq_ms))))
+                queue_ms=max(0.0, done.started * 1000.0 - entry.request.enq_ms))))
         phases[2] += time.perf_counter_ns() - splitting
         return answered
 
-    def _oom_alone(self, entry: Entry) -> Reply:
+    def _oom_alone(self, entry: Entry, done: _Outcome) -> Reply:
         """One request out of memory: bisect its rows; a single row that fails, fails alone."""
         try:
             outputs = self._predict_halves(
-                Batch([entry], "", self.former.layout).stacked_inputs(), entry.rows)
+                Batch([entry], "", self.former.layout).stacked_inputs(), entry.rows, done)
         except _OutOfMemory:
             error = ModelFailure(f"model {self.config.name!r} ran out of device memory on a "
                                  "single row of this request")
@@ -268,15 +389,17 @@ class InferenceLoop:
                                         for n, a in outputs.items() if not wanted or n in wanted],
                      batch_rows=entry.rows)
 
-    def _predict_halves(self, inputs: Arrays, rows: int) -> Arrays:
+    def _predict_halves(self, inputs: Arrays, rows: int, done: _Outcome) -> Arrays:
         try:
             return self._predict(inputs, rows)
         except _OutOfMemory:
+            done.fits.append((False, rows))
             if rows <= 1:
                 raise
             half = rows // 2
-            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half)
-            second = self._predict_halves({k: v[half:] for k, v in inputs.items()}, rows - half)
+            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half, done)
+            second = self._predict_halves({k: v[half:] for k, v in inputs.items()},
+                                          rows - half, done)
             return {k: np.concatenate([first[k], second[k]]) for k in first}
 
     def _predict(self, inputs: Arrays, rows: int) -> Arrays:
@@ -286,7 +409,7 @@ class InferenceLoop:
             raise
         except Exception as exc:  # the model's own failure: answered, never fatal here
             if is_out_of_memory(exc):
-                self._on_oom(rows)
+                _free_device_cache()
                 raise _OutOfMemory() from exc
             if is_fatal_device_error(exc):
                 raise DeviceLost(str(exc)) from exc
@@ -307,9 +430,6 @@ class InferenceLoop:
         self.streams.count({"oom_count": 1})
         log.warning("%s: out of memory at %d rows; row cap now %d", self.config.name, rows,
                     self.row_cap.cap)
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def _answer_error(self, entries: list[Entry], exc: ConveyorError,
                       extra: dict[str, int] | None = None) -> None:
@@ -321,7 +441,15 @@ class InferenceLoop:
 
 
 class _OutOfMemory(Exception):
-    """Raised inside the loop once an OOM has been counted and the cache freed."""
+    """Raised inside the loop once the device's cache is freed; the row cap learns of it
+    on the loop's thread (:attr:`_Outcome.fits`)."""
+
+
+def _free_device_cache() -> None:
+    """After an out-of-memory error, give the allocator's cached blocks back to the device."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: float,

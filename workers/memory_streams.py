@@ -11,7 +11,9 @@ replies back, all in one thread, without a server.
 Where Redis would wait, these do not: a blocking read of empty streams returns at once
 (nobody else can write while the loop runs), answers apply at once, statistics need no
 flush. Entries that a dead consumer left pending are put in with ``deliveries`` above 1;
-the reclaimer hands them to the loop with its next poll.
+the reclaimer hands them to the loop with its next poll. ``read_s`` and ``answer_s`` give
+each read and each answer a cost (a sleep, which, like a socket, lets other threads run),
+so a test can tell a loop that overlaps the Redis side with the model from one that does not.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class MemoryStreams:
         self._abandoned: deque[_Stored] = deque()
         """Entries a dead consumer left pending, waiting to be claimed."""
         self._ids = itertools.count(1)
+        self.read_s = 0.0
+        """Seconds each :meth:`read` takes."""
+        self.answer_s = 0.0
+        """Seconds each :meth:`answer` takes."""
 
     def put(self, request: Request, deliveries: int = 1) -> str:
         """Admit ``request`` to the stream of its priority; return its entry id. With
@@ -90,7 +96,9 @@ class MemoryStreams:
 
     def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
              poll: bool = False) -> list[Entry]:
-        """Up to ``count`` new entries of each stream, highest priority first; never waits."""
+        """Up to ``count`` new entries of each stream, highest priority first; never waits
+        (but takes ``read_s``)."""
+        time.sleep(self.read_s)
         entries = []
         for name in streams or self.streams:
             unread = self._unread[name]
@@ -110,7 +118,9 @@ class MemoryStreams:
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
                counters: Mapping[str, int] | None = None) -> None:
-        """Push the replies and release the entries still held, with their rows."""
+        """Push the replies and release the entries still held, with their rows (taking
+        ``answer_s``)."""
+        time.sleep(self.answer_s)
         self.stats.update(counters or {})
         for entry, reply in answered:
             self.lists[entry.request.reply].append(reply.encode())

@@ -71,7 +71,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
                            settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
     loop = InferenceLoop(config, load_model(config, folder, device), streams, reclaimer,
-                         shared, keys)
+                         shared, keys, pipelined=True)
     loop.events = make_batch_events(model_name, settings)
 
     def stop(_signum: int, _frame: object) -> None:
@@ -90,7 +90,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     gc.freeze()
     backoff = 0.1
     next_report = 0.0
-    while not (loop.stopping and len(loop.former) == 0):
+    while not (loop.stopping and loop.idle):
         try:
             loop.step()
             backoff = 0.1
