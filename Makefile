@@ -12,9 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-deps:  ## Debian packages: redis-server (wrk for the benchmark)
-	@if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -yq redis-server wrk; \
-	else sudo apt-get update -q && sudo apt-get install -yq redis-server wrk; fi
+deps:  ## Debian packages: redis-server (wrk and h2load for the benchmark and `conveyor bench`)
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -yq redis-server wrk nghttp2-client; \
+	else sudo apt-get update -q && sudo apt-get install -yq redis-server wrk nghttp2-client; fi
 
 run: $(VENV)/.installed
 	$(VENV)/bin/conveyor run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from conveyor import jobs_cli, launcher, models_cli
+from conveyor import bench_cli, jobs_cli, launcher, models_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="address every listener binds (default: CONVEYOR_HOST, 127.0.0.1)")
     jobs_cli.add_parser(commands)
     models_cli.add_parser(commands)
+    bench_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "run":
         return launcher.run(args.host)
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         return jobs_cli.run(args)
     if args.command == "models":
         return models_cli.run(args)
+    if args.command == "bench":
+        return bench_cli.run(args)
     return 2
 
 
