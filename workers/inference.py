@@ -7,7 +7,7 @@ group, split the outputs, answer and acknowledge in one pipeline. Every few seco
 at once after Redis failed or lost data, it also recomputes the model's rows-waiting
 counter from its streams (workers/reconcile.py).
 
-Pipelined (``pipelined=True``, as every inference process runs), the model runs on a
+Pipelined (``pipelined=True``, as an inference process on an accelerator runs), the model runs on a
 model thread (workers/model_thread.py) while this thread reads what arrives, and when the
 model frees it forms the next batch from everything read meanwhile, launches it, and only
 then answers the batch that just finished. Redis stays on this thread. Without a model

@@ -191,3 +191,10 @@ def test_a_stopping_loop_finishes_the_running_batch_and_reads_no_more() -> None:
     assert model.batches == [ROWS]
     assert set(replies(streams)) == {each.id for each in sent[:ROWS]}
     assert streams.rows_waiting == 3  # left in the streams for another process
+
+
+def test_only_accelerator_processes_run_the_model_on_its_own_thread() -> None:
+    from workers.process import pipelined
+
+    assert not pipelined("cpu")
+    assert pipelined("cuda:0") and pipelined("mps")
