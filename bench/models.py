@@ -5,6 +5,7 @@ Usage: python -m bench.models OUT_DIR
 
 import itertools
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,9 +17,11 @@ LAYERS: dict[str, list[int]] = {
     "mlp_medium": [512, 2048, 2048, 2048, 512],
 }
 
+MAX_BATCH_SIZE = 64
+
 CONFIG_TEMPLATE = """\
 backend: torchscript
-max_batch_size: 64
+max_batch_size: {max_batch_size}
 inputs:
   - {{name: INPUT0, datatype: FP32, shape: [-1, {n_in}]}}
 outputs:
@@ -54,8 +57,21 @@ def write_repository(root: Path) -> None:
         model_dir = root / name
         model_dir.mkdir(parents=True, exist_ok=True)
         torch.jit.save(torch.jit.script(build(name)), str(model_dir / "model.pt"))
-        config = CONFIG_TEMPLATE.format(n_in=widths[0], n_out=widths[-1])
+        config = CONFIG_TEMPLATE.format(max_batch_size=MAX_BATCH_SIZE, n_in=widths[0], n_out=widths[-1])
         (model_dir / "config.yaml").write_text(config)
+
+
+def write_onnx(root: Path) -> None:
+    """Write `root/<name>.onnx` for every model, batch dimension dynamic, named as conveyor serves
+    it (INPUT0 -> OUTPUT0): what the Triton comparison (bench/triton.py) runs in onnxruntime."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, widths in LAYERS.items():
+        with warnings.catch_warnings():  # the TorchScript exporter: the newer one needs onnxscript
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(build(name), (torch.zeros(1, widths[0]),), str(root / f"{name}.onnx"),
+                              input_names=["INPUT0"], output_names=["OUTPUT0"],
+                              dynamic_axes={"INPUT0": {0: "batch"}, "OUTPUT0": {0: "batch"}},
+                              dynamo=False)
 
 
 if __name__ == "__main__":

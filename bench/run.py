@@ -1,10 +1,12 @@
-"""One benchmark run, side by side (bench/RESULTS.md): raw model, plain FastAPI wrapper, conveyor.
+"""One benchmark run, side by side (bench/RESULTS.md): raw model, plain FastAPI wrapper, Triton, conveyor.
 
 Usage: python -m bench.run [--duration S] [--models mlp_tiny,mlp_medium] [--concurrency 1,8,64]
-                           [--api-workers 1,2] [--out bench/RESULTS.md]
+                           [--api-workers 1,2] [--no-triton] [--out bench/RESULTS.md]
 
 Per model: the raw in-process model (bench.raw_model), the plain wrapper under one uvicorn
-process, then conveyor (redis-server + API + Celery worker) once per API process count, each
+process, NVIDIA Triton in a plain Python backend and then through pytriton (bench/triton.py,
+in its own venv, created on first use; skipped with --no-triton or when the venv cannot be
+made), then conveyor (redis-server + API + Celery worker) once per API process count, each
 under wrk at every concurrency; only one system runs at a time. CPU seconds come from /proc:
 each server's process group, wrk, and the rest of the machine ("other": other tenants). A
 point whose "other" CPU exceeds --max-other of the machine is measured again (--retries) and
@@ -30,8 +32,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypedDict
 
+from bench import triton
 from bench.grpc_load import run_load
-from bench.models import LAYERS, write_repository
+from bench.models import LAYERS, MAX_BATCH_SIZE, write_onnx, write_repository
 from bench.wrk import WrkResult, run_wrk
 from conveyor.harness import ProcessGroup, RedisServer, free_port, group_cpu_s, wait_until
 
@@ -50,9 +53,11 @@ def http_ok(url: str, body: bytes | None = None) -> bool:
 
 
 STOP_TIMEOUT_S = 20.0
-CHILD_LABELS = {"celery": "inference"}
+CHILD_LABELS = {"celery": "inference", "tritonserver": "stub", "pytriton": "tritonserver"}
 """CPU of a group's processes other than its leader counts under this label: a Celery
-worker's children are its inference processes."""
+worker's children are its inference processes; tritonserver's, the Python backend's stub
+(which runs onnxruntime); pytriton's (the leader runs onnxruntime), tritonserver, its stub and
+pytriton's helpers."""
 
 
 def server(name: str, argv: list[str], env: dict[str, str], logdir: Path) -> ProcessGroup:
@@ -210,6 +215,35 @@ def bench_plain(model: str, body: str, args: argparse.Namespace, work: Path) -> 
         return [wrk_point("plain FastAPI", url, body, groups, args, c) for c in args.concurrency]
 
 
+def bench_triton(model: str, body: str, args: argparse.Namespace, work: Path,
+                 venv: triton.TritonVenv) -> tuple[list[Point], str]:
+    """Triton serving ``model`` in the plain Python backend, then through pytriton, one after
+    the other; and the Triton version the server reports."""
+    onnx = work / "onnx" / f"{model}.onnx"
+    ports = (free_port(), free_port(), free_port())
+    widths = (LAYERS[model][0], LAYERS[model][-1])
+    argv, env = triton.python_backend_server(venv, work / "triton", onnx, model, widths, MAX_BATCH_SIZE,
+                                             ports)
+    points, version = triton_points(triton.PYTHON_BACKEND, server("tritonserver", argv, env, work),
+                                    ports[0], model, body, args)
+    ports = (free_port(), free_port(), free_port())
+    argv = triton.pytriton_argv(venv, onnx.parent, model, *ports, MAX_BATCH_SIZE)
+    more, _ = triton_points(triton.PYTRITON, server("pytriton", argv, triton.server_env(venv), work),
+                            ports[0], model, body, args)
+    return points + more, version
+
+
+def triton_points(system: str, group: ProcessGroup, http_port: int, model: str, body: str,
+                  args: argparse.Namespace) -> tuple[list[Point], str]:
+    """``system``'s points, once ``group`` (a Triton server) answers on ``http_port``; its version."""
+    base = f"http://127.0.0.1:{http_port}"
+    url = f"{base}/v2/models/{model}/infer"
+    with started([group], lambda: http_ok(url, body.encode())):
+        with urllib.request.urlopen(f"{base}/v2", timeout=5) as r:
+            version = str(json.load(r)["version"])
+        return [wrk_point(system, url, body, [group], args, c) for c in args.concurrency], version
+
+
 def bench_conveyor(model: str, body: str, args: argparse.Namespace, work: Path,
                    api_workers: int) -> list[Point]:
     api_port, grpc_port = free_port(), free_port()
@@ -276,6 +310,8 @@ def ratio_rows(model: str, points: list[Point], top: str) -> list[str]:
         rows.append(f"| {model}: conveyor / plain req/s at c={top} | {ratio:.2f}× "
                     f"({conveyor.system}) | ≥{target:g}× | {'yes' if ratio >= target else '**no**'} |")
     fastest = pick("conveyor", "1")
+    rows += triton_ratio_rows(model, conveyor, fastest, pick(triton.PYTHON_BACKEND, top),
+                              pick(triton.PYTHON_BACKEND, "1"), top)
     if model == "mlp_tiny" and fastest:
         met = "yes" if fastest.p50_ms < 1.0 else "**no**"
         rows.append(f"| mlp_tiny: conveyor p50 at c=1 | {fastest.p50_ms:.2f} ms "
@@ -283,8 +319,48 @@ def ratio_rows(model: str, points: list[Point], top: str) -> list[str]:
     return rows
 
 
+TRITON_RPS_TARGETS = {"mlp_tiny": 0.6, "mlp_medium": 0.9}
+"""conveyor / Triton (plain Python backend) req/s at the top concurrency, at least; at c=1
+conveyor's p50 is no worse than Triton's."""
+
+
+def triton_ratio_rows(model: str, conveyor: Point | None, conveyor_c1: Point | None,
+                      triton_top: Point | None, triton_c1: Point | None, top: str) -> list[str]:
+    rows = []
+    target = TRITON_RPS_TARGETS.get(model)
+    if conveyor and triton_top and target:
+        ratio = conveyor.rps / triton_top.rps
+        rows.append(f"| {model}: conveyor / Triton req/s at c={top} | {ratio:.2f}× ({conveyor.rps:,.0f} "
+                    f"vs {triton_top.rps:,.0f}, {conveyor.system}) | ≥{target:g}× | "
+                    f"{'yes' if ratio >= target else '**no**'} |")
+    if conveyor_c1 and triton_c1:
+        ratio = conveyor_c1.p50_ms / triton_c1.p50_ms
+        rows.append(f"| {model}: conveyor / Triton p50 at c=1 | {ratio:.2f}× ({conveyor_c1.p50_ms:.2f} vs "
+                    f"{triton_c1.p50_ms:.2f} ms, {conveyor_c1.system}) | ≤1× | "
+                    f"{'yes' if ratio <= 1 else '**no**'} |")
+    return rows
+
+
+def triton_line(version: str | None, skipped: str | None) -> str:
+    if skipped is not None:
+        return f"- Triton: not run ({skipped})"
+    return (f"- Triton: NVIDIA Triton {version or '?'} from the `{triton.REQUIREMENTS[0]}` wheel (its "
+            "tritonserver binary and Python backend) in its own venv, bench/.triton-venv (bench/triton.py); "
+            f"the model's ONNX export (bench/models.py) in `{triton.REQUIREMENTS[1]}` with "
+            f"{triton.INTRA_OP_THREADS} intra-op threads and spinning off "
+            "(`session.intra_op.allow_spinning=0`); dynamic batching, "
+            f"`max_queue_delay_microseconds={triton.MAX_QUEUE_DELAY_US}`, max_batch_size "
+            f"{MAX_BATCH_SIZE}, one instance; same model names, tensors and wrk request as conveyor. "
+            f"{triton.PYTHON_BACKEND}: a plain Python backend `model.py` (bench/triton_model.py) runs "
+            "onnxruntime in the backend's stub process (CPU split: tritonserver, stub); the targets "
+            f"are against it. {triton.PYTRITON}: pytriton's `@batch` function (bench/triton_server.py), "
+            "one more process hop per batch (CPU split: pytriton, where onnxruntime runs, and "
+            "tritonserver with its stub and pytriton's helpers)")
+
+
 def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argparse.Namespace,
-           started_at: datetime, load: str) -> str:
+           started_at: datetime, load: str, triton_version: str | None = None,
+           triton_skipped: str | None = None) -> str:
     cpu_model = next((ln.split(":", 1)[1].strip() for ln in
                       Path("/proc/cpuinfo").read_text().splitlines()
                       if ln.startswith("model name")), "unknown")
@@ -310,7 +386,8 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         "- conveyor: default settings (so busy polling for lone requests, "
         "`CONVEYOR_BUSY_POLL_US=1000`: docs/data-path.md section 7) and the model's bench "
         "config (bench/models.py), own redis-server, gRPC and probe ports; extra environment: "
-        + (", ".join(f"`{kv}`" for kv in args.conveyor_env) or "none"), "",
+        + (", ".join(f"`{kv}`" for kv in args.conveyor_env) or "none"),
+        triton_line(triton_version, triton_skipped), "",
     ]
     ratios: list[str] = []
     top = str(max(args.concurrency))
@@ -325,6 +402,17 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
               "|---|---|---|---|", *ratios, "",
               "Conveyor figures use the API process count that did best at that concurrency.", ""]
     return "\n".join(lines)
+
+
+def triton_setup(args: argparse.Namespace) -> tuple[triton.TritonVenv | None, str | None]:
+    """Triton's venv, or None and why Triton is skipped."""
+    if args.no_triton:
+        return None, "--no-triton"
+    try:
+        return triton.ensure_venv(), None
+    except triton.VenvError as exc:
+        print(f"skipping Triton: {exc}", file=sys.stderr, flush=True)
+        return None, f"its venv could not be created: {str(exc).splitlines()[0][:200]}"
 
 
 def main() -> None:
@@ -344,23 +432,32 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=1, help="re-measurements of a noisy point")
     parser.add_argument("--quiet-timeout", type=float, default=10,
                         help="seconds to wait for an idle machine before each point")
+    parser.add_argument("--no-triton", action="store_true",
+                        help="skip NVIDIA Triton (bench/triton.py and its venv)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     args = parser.parse_args()
     started_at = datetime.now(UTC)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     results: dict[str, tuple[list[Point], dict[str, int]]] = {}
+    triton_venv, triton_skipped = triton_setup(args)
+    triton_version: str | None = None
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
         work = Path(tmp)
         write_repository(work / "repo")
+        if triton_venv is not None:
+            write_onnx(work / "onnx")
         for model in args.models:
             print(f"{model}:", file=sys.stderr, flush=True)
             body = request_body(model)
             points, raw_rows = raw_points(model, args)
             points += bench_plain(model, body, args, work)
+            if triton_venv is not None:
+                served, triton_version = bench_triton(model, body, args, work, triton_venv)
+                points += served
             for n in args.api_workers:
                 points += bench_conveyor(model, body, args, work, n)
             results[model] = (points, raw_rows)
-    args.out.write_text(report(results, args, started_at, load))
+    args.out.write_text(report(results, args, started_at, load, triton_version, triton_skipped))
     print(f"wrote {args.out}", file=sys.stderr)
 
 
