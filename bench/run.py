@@ -34,7 +34,7 @@ from typing import TypedDict
 
 from bench import triton
 from bench.grpc_load import run_load
-from bench.models import LAYERS, MAX_BATCH_SIZE, write_onnx, write_repository
+from bench.models import LAYERS, MAX_BATCH_SIZE, write_repository
 from bench.wrk import WrkResult, run_wrk
 from conveyor.harness import ProcessGroup, RedisServer, free_port, group_cpu_s, wait_until
 
@@ -219,7 +219,7 @@ def bench_triton(model: str, body: str, args: argparse.Namespace, work: Path,
                  venv: triton.TritonVenv) -> tuple[list[Point], str]:
     """Triton serving ``model`` in the plain Python backend, then through pytriton, one after
     the other; and the Triton version the server reports."""
-    onnx = work / "onnx" / f"{model}.onnx"
+    onnx = work / "repo" / model / "model.onnx"
     ports = (free_port(), free_port(), free_port())
     widths = (LAYERS[model][0], LAYERS[model][-1])
     argv, env = triton.python_backend_server(venv, work / "triton", onnx, model, widths, MAX_BATCH_SIZE,
@@ -227,7 +227,7 @@ def bench_triton(model: str, body: str, args: argparse.Namespace, work: Path,
     points, version = triton_points(triton.PYTHON_BACKEND, server("tritonserver", argv, env, work),
                                     ports[0], model, body, args)
     ports = (free_port(), free_port(), free_port())
-    argv = triton.pytriton_argv(venv, onnx.parent, model, *ports, MAX_BATCH_SIZE)
+    argv = triton.pytriton_argv(venv, onnx.parent.parent, model, *ports, MAX_BATCH_SIZE)
     more, _ = triton_points(triton.PYTRITON, server("pytriton", argv, triton.server_env(venv), work),
                             ports[0], model, body, args)
     return points + more, version
@@ -444,8 +444,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
         work = Path(tmp)
         write_repository(work / "repo")
-        if triton_venv is not None:
-            write_onnx(work / "onnx")
         for model in args.models:
             print(f"{model}:", file=sys.stderr, flush=True)
             body = request_body(model)
