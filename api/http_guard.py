@@ -26,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
+from api.coalesce import CoalescingTransport
 from batching.errors import ConveyorError, HeadersTooLarge, RequestTimeout
 from batching.settings import Settings
 
@@ -81,6 +82,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._warn_full()
             transport.close()
             return
+        self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
