@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -96,6 +97,8 @@ class Settings(BaseSettings):
     model_control: Literal["none", "explicit"] = "none"
     """Repository load/unload over HTTP and gRPC: ``none`` refuses them (Triton's
     ``--model-control-mode``); ``explicit`` allows them to ``admin`` keys."""
+    server_name: str = Field("conveyor", min_length=1)
+    """The server's ``name`` in its metadata (``GET /v2``, gRPC ``ServerMetadata``)."""
     callback_hosts: str = ""
     """Comma-separated host names or addresses job ``callback_url`` may name; loopback,
     link-local and private addresses are refused unless listed. Empty: no callbacks."""

@@ -23,20 +23,20 @@ def body(values: np.ndarray, **extra: object) -> dict[str, Any]:
 
 @pytest.mark.parametrize("payload,status,message", [
     ({"inputs": [{"name": "z", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}]},
-     400, "unknown input 'z'"),
+     400, "unexpected inference input 'z' for model 'echo'"),
     ({"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 4], "data": [0] * 4}]},
-     400, "datatype INT32, expected FP32"),
+     400, "inference input 'x' data-type is 'INT32', but model 'echo' expects 'FP32'"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4], "data": [0] * 4}]},
-     400, "rank 1, expected rank 2"),
+     400, "unexpected shape for input 'x' for model 'echo'. Expected [-1,4], got [4]"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]},
-     400, "dim 1 is 5, expected 4"),
+     400, "unexpected shape for input 'x' for model 'echo'. Expected [-1,4], got [1,5]"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 3}]},
-     400, "3 elements of data do not fill shape"),
+     400, "Failed to parse 'data' field: shape does not match true shape"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": ["a"] * 4}]},
      400, "input 'x': data is not FP32"),
     ({"inputs": []}, 400, "non-empty list"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}],
-      "outputs": [{"name": "nope"}]}, 400, "unknown output 'nope'"),
+      "outputs": [{"name": "nope"}]}, 400, "unexpected inference output 'nope' for model 'echo'"),
 ])
 def test_bad_input_gets_a_precise_400(client: TestClient, dispatcher: MemoryDispatcher,
                                       payload: dict[str, Any], status: int, message: str) -> None:
@@ -54,7 +54,7 @@ def test_malformed_json_is_400(client: TestClient) -> None:
 def test_unknown_model_is_404(client: TestClient) -> None:
     response = client.post("/v2/models/missing/infer", json=body(np.ones((1, 4), np.float32)))
     assert response.status_code == 404
-    assert response.json() == {"error": "unknown model 'missing'"}
+    assert response.json() == {"error": "Request for unknown model: 'missing' is not found"}
     assert client.get("/v2/models/missing").status_code == 404
     assert client.post("/v2/models/echo/versions/2/infer", json={}).status_code == 404
 
