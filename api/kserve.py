@@ -76,24 +76,28 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
     heads = [_head(i, item) for i, item in enumerate(raw_inputs)]
-    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _ in heads])
-    tensors = []
+    # Triton's order: the body (JSON data, binary sections) first, then the signature,
+    # then the binary sizes; its clients and tests see whichever error comes first.
+    parts: list[Tensor | memoryview] = []
     offset = 0
     for (name, datatype, shape, size), item in zip(heads, raw_inputs, strict=True):
         if size is None:
-            tensors.append(_json_tensor(name, datatype, shape, item["data"]))
+            parts.append(_json_tensor(name, datatype, shape, item["data"]))
             continue
         if offset + size > len(binary):
             raise InvalidInput(f"unexpected size for input '{name}', expecting "
                                f"{offset + size - len(binary)} additional bytes for model "
                                f"'{config.name}'")
-        tensors.append(tensor_from_buffer(name, datatype, shape, binary[offset:offset + size],
-                                          config.name))
+        parts.append(binary[offset:offset + size])
         offset += size
     if offset != len(binary):
         raise InvalidInput(f"unexpected additional input data for model '{config.name}' "
                            f"({len(binary) - offset} bytes that no input's binary_data_size "
                            "accounts for)")
+    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _ in heads])
+    tensors = [part if isinstance(part, Tensor) else
+               tensor_from_buffer(name, datatype, shape, part, config.name)
+               for (name, datatype, shape, _), part in zip(heads, parts, strict=True)]
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
