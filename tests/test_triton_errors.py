@@ -4,6 +4,7 @@ tritonclient and, where the QA tests do, plain requests and the raw gRPC stub.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +15,9 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aiogrpcclient
 import tritonclient.http as httpclient
+import tritonclient.http.aio as aiohttpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -211,3 +214,28 @@ def test_bytes_that_are_not_utf8_are_an_error_as_json_and_intact_as_binary(
         result = client.infer("strings", [item], outputs=[
             httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)] if listed else None)
         assert list(result.as_numpy("OUTPUT0").ravel()) == [b"ok", b"\xff\xfe"]
+
+
+def test_aio_clients_see_the_same_texts_and_codes(stack: Stack) -> None:
+    async def run() -> None:
+        http = aiohttpclient.InferenceServerClient(http_url(stack))
+        grpc_client = aiogrpcclient.InferenceServerClient(grpc_url(stack))
+        try:
+            for client, module, not_found, invalid in (
+                    (http, aiohttpclient, "404", "400"),
+                    (grpc_client, aiogrpcclient, "StatusCode.NOT_FOUND",
+                     "StatusCode.INVALID_ARGUMENT")):
+                both = simple_inputs(module, "INPUT0", "INPUT1")
+                with pytest.raises(InferenceServerException) as caught:
+                    await client.infer("foo", both)
+                assert (caught.value.status(), caught.value.message()) == (not_found, UNKNOWN)
+                with pytest.raises(InferenceServerException) as caught:
+                    await client.infer("simple", both, outputs=[
+                        module.InferRequestedOutput("OUTPUT0")] * 2)
+                assert caught.value.status() == invalid
+                assert caught.value.message() == "output 'OUTPUT0' already exists in request"
+        finally:
+            await http.close()
+            await grpc_client.close()
+
+    asyncio.run(run())

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api.main import create_app
 from batching.settings import Settings
 from tests.unit.conftest import serve, unit_settings
 from tests.unit.memory_dispatch import MemoryDispatcher
@@ -160,3 +161,24 @@ def test_importing_the_module_builds_no_application() -> None:
     import api.main
 
     assert callable(api.main.create_app) and not hasattr(api.main, "app")
+
+
+def test_an_unexpected_error_is_500_with_an_error_body(settings: Settings,
+                                                        dispatcher: MemoryDispatcher,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug answers ``{"error": ...}`` like every other error (tritonclient decodes it),
+    naming only the exception's type."""
+    async def broken(*_: object) -> None:
+        raise RuntimeError("/secret/path")
+
+    monkeypatch.setattr("api.routes.statistics", broken)
+    with TestClient(create_app(settings, dispatcher, grpc=False),
+                    raise_server_exceptions=False) as client:
+        response = client.get("/v2/models/stats")
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal error: RuntimeError"}
+
+
+def test_the_server_name_is_a_setting(dispatcher: MemoryDispatcher) -> None:
+    with serve(unit_settings(server_name="triton"), dispatcher) as client:
+        assert client.get("/v2").json()["name"] == "triton"
