@@ -73,8 +73,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True,
                                              lenient_chunked_length=True)
-        self._framed_twice = False
-        """The request has both Transfer-Encoding and Content-Length."""
+        self._chunked = False
+        self._sized = False
+        """The request has Transfer-Encoding, Content-Length (both: read as chunked)."""
         self.timeout_keep_alive = self.limits.keepalive_s  # type: ignore[assignment]
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -101,6 +102,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Parser callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._header_bytes = 0
+        self._chunked = self._sized = False
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -110,16 +112,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_header_bytes(len(name) + len(value) + 4)
         super().on_header(name, value)
+        lowered = self.headers[-1][0]
+        if lowered == b"transfer-encoding":
+            self._chunked = True
+        elif lowered == b"content-length":
+            self._sized = True
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         self._headed += 1
-        names = {name.lower() for name, _ in self.headers}
-        self._framed_twice = b"transfer-encoding" in names and b"content-length" in names
-        if self._framed_twice:  # the body is chunked: its Content-Length means nothing
-            self.headers[:] = [(n, v) for n, v in self.headers if n.lower() != b"content-length"]
+        framed_twice = self._chunked and self._sized
+        if framed_twice:  # the body is chunked: its Content-Length means nothing
+            self.headers[:] = [(n, v) for n, v in self.headers if n != b"content-length"]
         super().on_headers_complete()
-        if self._framed_twice and self.cycle is not None:
+        if framed_twice and self.cycle is not None:
             self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
