@@ -53,7 +53,7 @@ class InferenceService:
             if name in self.broken:
                 raise no_available_versions(name, f"unavailable: {self.broken[name]}")
             raise unknown_model(name)
-        number = requested_version(name, version)
+        number = requested_version(version)
         if number not in (None, 1):
             raise unknown_version(name, number)
         return config

@@ -58,8 +58,9 @@ class Unavailable(ConveyorError):
 
 
 class MalformedShape(ConveyorError):
-    """A JSON ``shape`` that is not a list of unsigned integers (a negative dim): Triton
-    answers this 500 / INTERNAL, and its HTTP test pins that code, so conveyor does too."""
+    """A JSON ``shape`` element that is not an unsigned integer (negative, a fraction, a
+    string, a bool): Triton answers this 500 / INTERNAL, and its HTTP test pins that code
+    for a negative dim, so conveyor answers it so too."""
 
     code = "malformed_shape"
     http_status = 500

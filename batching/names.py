@@ -35,22 +35,21 @@ def no_available_versions(name: str, why: str = "") -> ModelNotFound:
                          f"versions{f' ({why})' if why else ''}")
 
 
-def requested_version(name: str, version: str) -> int | None:
+def requested_version(version: str) -> int | None:
     """A path's or request's model version as a number; None for "" (the latest).
 
-    Not an integer, or negative: 400, in Triton's words."""
+    Anything but ASCII digits (a sign, spaces, other scripts' digits): 400, in Triton's
+    words."""
     if not version:
         return None
-    try:
-        number = int(version)
-    except ValueError:
-        raise InvalidInput(f"failed to get model version from specified version string "
-                           f"{_shown(version)!r} (details: not an integer), version should "
-                           "be an integral value > 0") from None
-    if number < 0:
+    if version.startswith("-") and version[1:].isdigit() and version.isascii():
         raise InvalidInput(f"invalid model version specified {_shown(version)!r} , version "
                            "should be an integral value > 0")
-    return number
+    if not (version.isdigit() and version.isascii()):
+        raise InvalidInput(f"failed to get model version from specified version string "
+                           f"{_shown(version)!r} (details: not an integer), version should "
+                           "be an integral value > 0")
+    return int(version)
 
 
 def unknown_version(name: str, version: int) -> ModelNotFound:

@@ -2,6 +2,7 @@ import pytest
 
 from batching.config import ConfigError, ModelConfig
 from batching.errors import InvalidInput
+from batching.names import requested_version
 from batching.signature import check_inputs
 
 CONFIG = ModelConfig.from_dict("m", {
@@ -54,3 +55,21 @@ def test_config_defaults_follow_the_design() -> None:
     assert config.queue.priority_levels == 3 and config.queue.default_priority == 2
     assert config.queue.default_timeout_ms == 30000
     assert config.instances[0].device == "cpu"
+
+
+@pytest.mark.parametrize("version,number", [("", None), ("1", 1), ("0", 0), ("07", 7)])
+def test_versions_are_ascii_digits(version: str, number: int | None) -> None:
+    assert requested_version(version) == number
+
+
+@pytest.mark.parametrize("version,message", [
+    ("x", "failed to get model version from specified version string 'x' (details: not an "
+          "integer), version should be an integral value > 0"),
+    ("1_0", "failed to get model version from specified version string '1_0'"),
+    (" 1", "failed to get model version from specified version string ' 1'"),
+    ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
+])
+def test_bad_versions_in_tritons_words(version: str, message: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        requested_version(version)
+    assert caught.value.message.startswith(message)
