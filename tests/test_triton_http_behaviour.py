@@ -8,7 +8,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
-from tests.procs import RedisServer
+from tests.procs import RedisServer, wait_for
 from tests.triton_stack import ONES, SERVER_NAME, grpc_url, http_url, triton_stack
 
 DOUBLED = "[2,4,6,8,10,12,14,16,18,20,22,24,26,28,30,32]"
@@ -70,7 +69,9 @@ def test_a_full_queue_is_503_with_retry_after_and_unavailable_over_grpc(stack: S
     first = threading.Thread(target=httpx.post, args=(url,),
                              kwargs={"content": json.dumps(body()), "timeout": 30})
     first.start()
-    time.sleep(0.5)
+    with stack.redis() as redis:  # the first request holds the queue's one row
+        wait_for(lambda: int(redis.get(f"{stack.prefix}:{{simple_queue}}:rows") or 0) == 1,
+                 30, "the first request to be admitted")
     try:
         refused = httpx.post(url, content=json.dumps(body()))
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
