@@ -135,8 +135,10 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
 
     @app.post("/v2/repository/index")
     async def repository_index(request: Request) -> JSONResponse:
-        body = await json_body(request)
-        return JSONResponse(await repository.index(ready_only=body.get("ready") is True))
+        ready = (await json_body(request)).get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput("Invalid value for 'ready': expected a boolean")
+        return JSONResponse(await repository.index(ready_only=ready))
 
     @app.post("/v2/repository/models/{model}/load")
     async def load(model: str, request: Request) -> JSONResponse:

@@ -182,3 +182,10 @@ def test_an_unexpected_error_is_500_with_an_error_body(settings: Settings,
 def test_the_server_name_is_a_setting(dispatcher: MemoryDispatcher) -> None:
     with serve(unit_settings(server_name="triton"), dispatcher) as client:
         assert client.get("/v2").json()["name"] == "triton"
+
+
+@pytest.mark.parametrize("ready", ["yes", 1, [True], None])
+def test_repository_index_wants_a_boolean_ready(client: TestClient, ready: object) -> None:
+    response = client.post("/v2/repository/index", json={"ready": ready})
+    assert response.status_code == 400
+    assert response.json() == {"error": "Invalid value for 'ready': expected a boolean"}
