@@ -15,9 +15,14 @@ from api.kserve import InferRequest
 from api.metrics import ApiMetrics
 from batching.config import ModelConfig
 from batching.envelope import Reply, Request
-from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
+from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
 from batching.keys import Keys
-from batching.names import unknown_model
+from batching.names import (
+    no_available_versions,
+    requested_version,
+    unknown_model,
+    unknown_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +49,13 @@ class InferenceService:
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
-                raise ModelNotFound(f"model {name!r} is unloaded")
+                raise no_available_versions(name, "unloaded")
             if name in self.broken:
-                raise ModelNotFound(f"model {name!r} is unavailable: {self.broken[name]}")
+                raise no_available_versions(name, f"unavailable: {self.broken[name]}")
             raise unknown_model(name)
-        if version not in ("", "1"):
-            raise ModelNotFound(f"model {name!r} has no version {version!r} (only \"1\")")
+        number = requested_version(version)
+        if number not in (None, 1):
+            raise unknown_version(name, number)
         return config
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
@@ -64,8 +70,8 @@ class InferenceService:
         self.metrics.protocol(protocol).inc()
         try:
             config = self.model(model, version)
-        except ModelNotFound:
-            self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
+        except ConveyorError as exc:
+            self._count(UNKNOWN_MODEL, exc.code, started)
             raise
         try:
             parsed = await parse(config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -101,6 +101,8 @@ class Settings(BaseSettings):
     model_control: Literal["none", "explicit"] = "none"
     """Repository load/unload over HTTP and gRPC: ``none`` refuses them (Triton's
     ``--model-control-mode``); ``explicit`` allows them to ``admin`` keys."""
+    server_name: Annotated[str, Field(min_length=1)] = "conveyor"
+    """The server's ``name`` in its metadata (``GET /v2``, gRPC ``ServerMetadata``)."""
     callback_hosts: str = ""
     """Comma-separated host names or addresses job ``callback_url`` may name; loopback,
     link-local and private addresses are refused unless listed. Empty: no callbacks."""
