@@ -1,6 +1,6 @@
 import pytest
 
-from batching.config import ConfigError, ModelConfig
+from batching.config import ADAPTIVE_BOUND_US, ConfigError, ModelConfig
 from batching.errors import InvalidInput
 from batching.names import requested_version
 from batching.signature import check_inputs
@@ -49,9 +49,21 @@ def test_config_rejects_unknown_keys_and_bad_backend() -> None:
         ModelConfig.from_dict("m", {})
 
 
+def test_the_wait_bound_defaults_by_policy() -> None:
+    """Unset, the adaptive policy may wait up to ADAPTIVE_BOUND_US; a fixed window is 0
+    (take what is waiting); a value given is kept, 0 included."""
+    fixed = ModelConfig.from_dict("m", {"batching": {"adaptive": False}}, backend="onnx")
+    assert fixed.batching.max_queue_delay_us == 0
+    for adaptive in (True, False):
+        for given in (0, 500):
+            config = ModelConfig.from_dict(
+                "m", {"batching": {"adaptive": adaptive, "max_queue_delay_us": given}}, backend="onnx")
+            assert config.batching.max_queue_delay_us == given
+
+
 def test_config_defaults_follow_the_design() -> None:
     config = ModelConfig.from_dict("m", {}, backend="onnx")
-    assert config.batching.max_queue_delay_us == 0
+    assert config.batching.adaptive and config.batching.max_queue_delay_us == ADAPTIVE_BOUND_US == 20000
     assert config.queue.priority_levels == 3 and config.queue.default_priority == 2
     assert config.queue.default_timeout_ms == 30000
     assert config.instances[0].device == "cpu"
