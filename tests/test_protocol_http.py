@@ -19,6 +19,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
+from batching.config import ADAPTIVE_BOUND_US
 from tests.conftest import Stack
 from tests.procs import RedisServer, wait_for
 from tests.protocol_stack import (
@@ -160,7 +161,7 @@ def test_config_follows_triton_shape(stack: Stack, client: Client) -> None:
     assert config["input"][0] == {"name": "x", "data_type": "TYPE_FP32", "format": "FORMAT_NONE",
                                   "dims": [4]}
     batching = config["dynamic_batching"]
-    assert batching["max_queue_delay_microseconds"] == 0
+    assert batching["max_queue_delay_microseconds"] == ADAPTIVE_BOUND_US  # echo sets none
     assert batching["priority_levels"] == 3 and batching["default_priority_level"] == 2
     assert batching["default_queue_policy"]["default_timeout_microseconds"] == 30_000_000
     assert config["instance_group"] == [{"name": "echo_0", "count": 1, "kind": "KIND_CPU",
