@@ -96,6 +96,13 @@ class Settings(BaseSettings):
     model_control: Literal["none", "explicit"] = "none"
     """Repository load/unload over HTTP and gRPC: ``none`` refuses them (Triton's
     ``--model-control-mode``); ``explicit`` allows them to ``admin`` keys."""
+    allow_client_shm: bool = False
+    """Clients on this host may register system shared memory regions and pass tensors
+    through them (Triton's ``--allow-client-shm``; needs the ``infer`` scope). Off,
+    register and unregister answer 501 / UNIMPLEMENTED."""
+    shm_max_regions: int = 64
+    """Registered system shared memory regions, at most, for all the API processes of a
+    host together."""
     callback_hosts: str = ""
     """Comma-separated host names or addresses job ``callback_url`` may name; loopback,
     link-local and private addresses are refused unless listed. Empty: no callbacks."""
