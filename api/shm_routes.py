@@ -53,6 +53,7 @@ def add_shm_routes(app: FastAPI, shm: SharedMemory) -> None:
         await shm.unregister(name)
         return JSONResponse({})
 
-    @app.api_route("/v2/cudasharedmemory/{rest:path}", methods=["GET", "POST"])
+    @app.get("/v2/cudasharedmemory/{rest:path}")
+    @app.post("/v2/cudasharedmemory/{rest:path}")
     async def cuda(rest: str) -> JSONResponse:
         raise Unsupported(CUDA_UNSUPPORTED)

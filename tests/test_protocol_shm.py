@@ -206,7 +206,7 @@ def test_registration_errors(client: Client, regions: Regions) -> None:
     other, other_key, _ = regions.create(SIZE)
     for byte_size, offset in [(SIZE + 1, 0), (SIZE, 1), (1, SIZE), (0, SIZE + 1)]:
         with pytest.raises(InferenceServerException,
-                           match="failed to register shared memory region.*invalid args"):
+                           match=r"failed to register shared memory region.*invalid args"):
             client.register_system_shared_memory(other, other_key, byte_size, offset=offset)
     prefix = "triton_python_backend_shm_region_"
     for bad in (f"{prefix}_k", f"/{prefix}_k", f"///{prefix}_k"):
@@ -263,7 +263,7 @@ def test_inference_errors(client: Client, protocol: str, regions: Regions) -> No
     inputs, outputs = tensors(protocol, in_name, out_name)
     inputs[1] = module(protocol).InferInput("INPUT1", [1, 16], "INT32")
     inputs[1].set_shared_memory(big, 2 * SIZE)
-    with pytest.raises(InferenceServerException, match="'INPUT1'.*128 bytes"):
+    with pytest.raises(InferenceServerException, match=r"'INPUT1'.*128 bytes"):
         client.infer("simple", inputs, outputs=outputs)
 
 
