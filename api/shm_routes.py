@@ -53,7 +53,8 @@ def add_shm_routes(app: FastAPI, shm: SharedMemory) -> None:
         await shm.unregister(name)
         return JSONResponse({})
 
-    @app.get("/v2/cudasharedmemory/{rest:path}")
-    @app.post("/v2/cudasharedmemory/{rest:path}")
+    # Not in the OpenAPI schema: they exist only to refuse.
+    @app.get("/v2/cudasharedmemory/{rest:path}", include_in_schema=False)
+    @app.post("/v2/cudasharedmemory/{rest:path}", include_in_schema=False)
     async def cuda(rest: str) -> JSONResponse:
         raise Unsupported(CUDA_UNSUPPORTED)
