@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api.auth import Need
+from api.auth_grpc import grpc_need
 from tests.unit.conftest import serve, unit_settings
 from tests.unit.memory_dispatch import MemoryDispatcher
 from tests.unit.shm_objects import Objects, made_objects
@@ -259,3 +261,6 @@ def test_registering_needs_the_infer_scope(tmp_path: Path, dispatcher: MemoryDis
         ok = client.post(f"{BASE}/region/r/register", headers={"Authorization": "inf-key"},
                          json={"key": key, "byte_size": 8})
         assert ok.status_code == 200
+    for method in ("SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                   "SystemSharedMemoryStatus", "CudaSharedMemoryRegister"):
+        assert grpc_need(f"/inference.GRPCInferenceService/{method}") is Need.INFER
