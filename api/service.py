@@ -70,6 +70,7 @@ class InferenceService:
         except ModelNotFound:
             self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
             raise
+        regions: Binding | None = None
         try:
             parsed = await parse(config)
             if not self.watch.model_served(model):
@@ -109,6 +110,9 @@ class InferenceService:
             log.exception("request for model %s failed", model)
             self._count(model, ConveyorError.code, started)
             raise ConveyorError(f"internal error: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if regions is not None:
+                regions.close()
         self._count(model, "success", started)
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)

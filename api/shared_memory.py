@@ -14,9 +14,9 @@ bounded by ``shm_max_regions`` and the input bytes one request reads from region
 ``max_request_bytes``, as a body would be.
 
 Inputs are read when the request is bound (:meth:`SharedMemory.bind`), before it is
-queued; outputs are written when the reply comes (:meth:`Binding.write`). A region
-unregistered in between fails that request's write with "Unable to find shared memory
-region", never the process.
+queued; outputs are written when the reply comes (:meth:`Binding.write`). The binding
+holds its output regions open until it is closed, so a region unregistered meanwhile
+still receives that request's outputs (as in Triton) and is closed after.
 """
 
 from __future__ import annotations
@@ -224,10 +224,24 @@ class SharedMemory:
 
 
 class Binding:
-    """A request's output regions, held from its binding until its reply is written."""
+    """A request's output regions, held open from its binding until :meth:`close`."""
 
     def __init__(self, outputs: dict[str, tuple[Region, ShmRef]]) -> None:
         self._outputs = outputs
+        self._held: list[Region] = []
+        try:
+            for region in {id(r): r for r, _ in outputs.values()}.values():
+                region.hold()
+                self._held.append(region)
+        except RegionNotFound:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let the regions go (one unregistered meanwhile is closed now)."""
+        held, self._held = self._held, []
+        for region in held:
+            region.release()
 
     async def write(self, outputs: list[Tensor]) -> None:
         """Write each output the request asked for by region into its region."""

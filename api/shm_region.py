@@ -5,8 +5,9 @@ The object is opened once, when the region is registered (or first used by this 
 and read and written with ``pread``/``pwrite`` at the region's offset: never mapped. A
 client that shrinks or removes its object while a request uses it gets an error for
 that request; a mapping would take the whole process down with SIGBUS. The descriptor
-is closed when the region is unregistered and no request is using it any more
-(:meth:`Region.retire`), so a descriptor number is never reused under a running read.
+is closed when the region is unregistered and no request holds it any more
+(:meth:`Region.retire`, :meth:`Region.hold`), so a descriptor number is never reused
+under a running read, and a request in flight still writes its outputs.
 
 Keys are checked before anything is opened: a key names one object directly in
 ``/dev/shm`` (leading slashes are dropped, as ``shm_open`` does), never a path, a
@@ -122,6 +123,7 @@ class Region:
         self._lock = threading.Lock()
         self._users = 0
         self._retired = False
+        self._closed = False
 
     @property
     def byte_size(self) -> int:
@@ -161,26 +163,41 @@ class Region:
             os.pwrite(self._fd, data, start)
 
     def retire(self) -> None:
-        """Unregistered: close now, or when the last request using it is done."""
+        """Unregistered: close now, or when the last request holding it lets it go."""
         with self._lock:
             if self._retired:
                 return
             self._retired = True
-            if self._users:
+            close = not self._users
+        if close:
+            self._close()
+
+    def hold(self) -> None:
+        """Keep the region open until :meth:`release`, even if it is retired meanwhile;
+        raises :class:`RegionNotFound` once it is closed."""
+        with self._lock:
+            if self._closed:
+                raise RegionNotFound(f"Unable to find shared memory region: '{self.name}'")
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            close = self._retired and not self._users
+        if close:
+            self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._closed:
                 return
+            self._closed = True
         os.close(self._fd)
 
     @contextmanager
     def _using(self) -> Iterator[None]:
-        with self._lock:
-            if self._retired:
-                raise RegionNotFound(f"Unable to find shared memory region: '{self.name}'")
-            self._users += 1
+        self.hold()
         try:
             yield
         finally:
-            with self._lock:
-                self._users -= 1
-                close = self._retired and not self._users
-            if close:
-                os.close(self._fd)
+            self.release()

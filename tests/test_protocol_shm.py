@@ -10,6 +10,7 @@ import ``api.proto`` here (see tests/test_protocol_grpc.py).
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ MAX_REGIONS = 6
 INPUT0 = np.arange(16, dtype=np.int32).reshape(1, 16)
 INPUT1 = np.ones((1, 16), dtype=np.int32)
 SIZE = INPUT0.nbytes  # 64
+SLOW_MS = 2000
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,9 @@ def stack(redis_server: RedisServer, logdir: Path,
     """Two API processes sharing the gRPC port (SO_REUSEPORT) and one worker."""
     repository = tmp_path_factory.mktemp("shm-repo")
     shutil.copytree(PROTOCOL_MODELS / "simple", repository / "simple")
+    shutil.copytree(PROTOCOL_MODELS / "simple", repository / "simple_slow")
+    with (repository / "simple_slow" / "config.yaml").open("a") as config:
+        config.write(f"parameters:\n  delay_ms: {SLOW_MS}\n")
     made = Stack(redis_server.url, repository, logdir,
                  extra_env={"CONVEYOR_GRPC_PORT": str(free_port()),
                             "CONVEYOR_GRPC_REUSEPORT": "1",
@@ -195,6 +200,28 @@ def test_a_region_is_seen_by_every_api_process(stack: Stack, regions: Regions) -
     finally:
         first.close()
         second.close()
+
+
+def test_a_region_unregistered_during_inference_still_gets_its_outputs(
+        stack: Stack, regions: Regions) -> None:
+    """As Triton: requests in flight keep the regions they use; new ones no longer find them."""
+    client = httpclient.InferenceServerClient(http_host(stack), concurrency=2)
+    try:
+        in_name = filled_input_region(client, regions)
+        out_name, out_key, out_handle = regions.create(2 * SIZE)
+        client.register_system_shared_memory(out_name, out_key, 2 * SIZE)
+        inputs, outputs = tensors("http", in_name, out_name)
+        pending = client.async_infer("simple_slow", inputs, outputs=outputs)
+        time.sleep(SLOW_MS / 2500)  # the request holds its regions: its model is running
+        client.unregister_system_shared_memory()
+        assert names(client.get_system_shared_memory_status()) == []
+        pending.get_result()
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(out_handle, np.int32, [1, 16]), INPUT0 + INPUT1)
+        with pytest.raises(InferenceServerException, match="Unable to find shared memory"):
+            client.infer("simple", inputs, outputs=outputs)
+    finally:
+        client.close()
 
 
 def test_registration_errors(client: Client, regions: Regions) -> None:

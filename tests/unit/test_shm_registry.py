@@ -63,6 +63,7 @@ def test_a_region_registered_through_one_process_serves_in_another(objects: Obje
         assert binding is not None
         np.testing.assert_array_equal(parsed.inputs[0].array(), x.reshape(1, 4))
         await binding.write([Tensor.from_array("y", x.reshape(1, 4) * 3)])
+        binding.close()
         np.testing.assert_array_equal(
             np.frombuffer(objects.path(out_key).read_bytes(), np.float32), x * 3)
         # registered again under the same name with another object: the second process
@@ -70,7 +71,9 @@ def test_a_region_registered_through_one_process_serves_in_another(objects: Obje
         await first.unregister("in")
         await first.register("in", other_key, 0, 16)
         again = request("in", "out")
-        await second.bind(again)
+        bound = await second.bind(again)
+        assert bound is not None
+        bound.close()
         np.testing.assert_array_equal(again.inputs[0].array(), (x + 10).reshape(1, 4))
         await first.unregister("")
         with pytest.raises(RegionNotFound, match="Unable to find shared memory region: 'in'"):
@@ -90,7 +93,9 @@ def test_the_sweep_closes_what_other_processes_unregistered(objects: Objects) ->
         first, second = registry(dispatcher), registry(dispatcher)
         before = open_fds()
         await first.register("in", key, 0, 16)
-        await second.bind(request("in", "in"))  # opens the object in the second process too
+        binding = await second.bind(request("in", "in"))  # opens it in the second process too
+        assert binding is not None
+        binding.close()
         assert len(open_fds() - before) == 2
         await first.unregister("in")
         assert len(open_fds() - before) == 1
@@ -130,6 +135,32 @@ def test_unregistered_while_in_use_closes_after_the_last_user(objects: Objects) 
     with pytest.raises(RegionNotFound):
         region.write(ShmRef("r", 16), b"x" * 16)
     region.retire()  # twice is harmless
+
+
+def test_a_request_in_flight_writes_into_a_region_unregistered_meanwhile(
+        objects: Objects) -> None:
+    in_key, out_key = objects.make(16), objects.make(16)
+
+    async def run() -> None:
+        dispatcher = MemoryDispatcher(KEYS)
+        shm = registry(dispatcher)
+        before = open_fds()
+        await shm.register("in", in_key, 0, 16)
+        await shm.register("out", out_key, 0, 16)
+        binding = await shm.bind(request("in", "out"))
+        assert binding is not None
+        await shm.unregister("")  # while the request is queued
+        assert len(open_fds() - before) == 1  # "out" stays open for it; "in" is closed
+        await binding.write([Tensor("y", "FP32", (1, 4), b"\x01" * 16)])
+        binding.close()
+        assert open_fds() == before
+        assert objects.path(out_key).read_bytes() == b"\x01" * 16
+        with pytest.raises(RegionNotFound):
+            await shm.bind(request("in", "out"))
+        await shm.close()
+        await dispatcher.close()
+
+    asyncio.run(run())
 
 
 def test_an_object_that_shrank_fails_the_request_not_the_process(objects: Objects) -> None:
