@@ -77,7 +77,8 @@ class InferenceService:
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
                                           config.queue.default_priority, "the model's default")
-            regions = await self._bind(parsed)
+            if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
+                regions = await self._bind(parsed)
             now_ms = int(time.time() * 1000)
             timeout_ms = float(config.queue.default_timeout_ms)
             asked = parsed.parameters.get("timeout")
@@ -121,12 +122,9 @@ class InferenceService:
 
     async def _bind(self, parsed: InferRequest) -> Binding | None:
         """Read the inputs given by shared memory region, hold the output regions."""
-        if self.shm is not None:
-            return await self.shm.bind(parsed)
-        refs = [*parsed.shm_inputs.values(), *parsed.shm_outputs.values()]
-        if refs:
-            raise not_found(refs[0].region)
-        return None
+        if self.shm is None:
+            raise not_found([*parsed.shm_inputs.values(), *parsed.shm_outputs.values()][0].region)
+        return await self.shm.bind(parsed)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         series = self.metrics.of(model)

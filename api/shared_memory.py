@@ -6,7 +6,8 @@ size and a token unique to the registration. Every API process of the host (``uv
 --workers N``) therefore sees a region registered through any of them, and no process of
 another host does. Each process opens a region's object itself, the first time it uses
 it, and keeps the descriptor while the registration (same token) stands; an unregistered
-or replaced region is closed at its next use or within one sweep interval.
+or replaced region is dropped at its next use or within one sweep interval, and closed
+once no request holds it.
 
 Registration is off unless ``allow_client_shm`` (Triton's ``--allow-client-shm``); the
 status then lists nothing and a tensor naming a region finds none. Registrations are

@@ -168,9 +168,9 @@ class Region:
             if self._retired:
                 return
             self._retired = True
-            close = not self._users
+            close = self._closed = not self._users
         if close:
-            self._close()
+            os.close(self._fd)
 
     def hold(self) -> None:
         """Keep the region open until :meth:`release`, even if it is retired meanwhile;
@@ -183,16 +183,9 @@ class Region:
     def release(self) -> None:
         with self._lock:
             self._users -= 1
-            close = self._retired and not self._users
+            close = self._closed = self._retired and not self._users
         if close:
-            self._close()
-
-    def _close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        os.close(self._fd)
+            os.close(self._fd)
 
     @contextmanager
     def _using(self) -> Iterator[None]:
