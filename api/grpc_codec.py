@@ -68,12 +68,12 @@ def parse_request(request: pb.ModelInferRequest, config: ModelConfig) -> InferRe
         if i in refs:
             if tensor.HasField("contents"):
                 raise InvalidInput(f"unexpected 'content' provided when using shared memory for "
-                                   f"input tensor '{name}' for model '{request.model_name}'")
+                                   f"input tensor '{name}' for model '{config.name}'")
             tensors.append(Tensor(name, datatype, shape, b""))
         elif request.raw_input_contents:
-            tensors.append(tensor_from_buffer(name, datatype, shape, next(raw)))
+            tensors.append(tensor_from_buffer(name, datatype, shape, next(raw), config.name))
         else:
-            tensors.append(_from_contents(name, datatype, shape, tensor.contents))
+            tensors.append(_from_contents(name, datatype, shape, tensor.contents, config.name))
     return InferRequest(
         id=request.id or None,
         inputs=tensors,
@@ -85,7 +85,8 @@ def parse_request(request: pb.ModelInferRequest, config: ModelConfig) -> InferRe
     )
 
 
-def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any) -> Tensor:
+def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any,
+                   model: str) -> Tensor:
     field = _CONTENTS.get(datatype)
     if field is None:
         raise InvalidInput(f"input {name!r}: {datatype} data must come in raw_input_contents")
@@ -98,9 +99,12 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: contents are not {datatype}: {exc}") from None
     count = math.prod(shape)
-    if array.size != count:
-        raise InvalidInput(f"input {name!r}: {array.size} elements in contents.{field} do not "
-                           f"fill shape {list(shape)} ({count} expected)")
+    if array.size != count:  # the same words as for raw bytes, as Triton checks them as bytes
+        where = f"inference input '{name}' for model '{model}'"
+        if datatype == "BYTES":
+            raise InvalidInput(f"expected {count} string elements for {where}, got {array.size}")
+        raise InvalidInput(f"input byte size mismatch for input '{name}' for model '{model}'. "
+                           f"Expected {count * array.itemsize}, got {array.size * array.itemsize}")
     return Tensor.from_array(name, array.reshape(shape), datatype)
 
 

@@ -75,9 +75,11 @@ def _mapped(method: Handler[Reply]) -> Handler[Reply]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, service: InferenceService, repository: Repository) -> None:
+    def __init__(self, service: InferenceService, repository: Repository,
+                 server_name: str = "conveyor") -> None:
         self.service = service
         self.repository = repository
+        self.server_name = server_name
 
     async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -90,7 +92,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=known and self.service.watch.model_ready(request.name))
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(**server_metadata())
+        return pb.ServerMetadataResponse(**server_metadata(self.server_name))
 
     @_mapped
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
@@ -223,7 +225,7 @@ class GrpcEndpoint:
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self._service = service
         self._interceptors = list(interceptors)
-        self._servicer = InferenceServicer(service, repository)
+        self._servicer = InferenceServicer(service, repository, settings.server_name)
         self._settings = settings
         self._loop = Periodic("conveyor-grpc-health", settings.heartbeat_interval_s,
                               self._update_health)

@@ -98,7 +98,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
 
     app: FastAPI = FastAPIOffline(title="conveyor", version=VERSION, lifespan=lifespan,
                                   static_url=DOCS_ASSETS)
-    add_routes(app, service, repository)
+    add_routes(app, service, repository, settings.server_name)
     add_shm_routes(app, shm)
     app.include_router(jobs_router(service, settings))
     return AuthGuard(InferRoute(app, service), guard)

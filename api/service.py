@@ -16,9 +16,14 @@ from api.metrics import ApiMetrics
 from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
 from batching.envelope import Reply, Request
-from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
+from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
 from batching.keys import Keys
-from batching.names import unknown_model
+from batching.names import (
+    no_available_versions,
+    requested_version,
+    unknown_model,
+    unknown_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +52,13 @@ class InferenceService:
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
-                raise ModelNotFound(f"model {name!r} is unloaded")
+                raise no_available_versions(name, "unloaded")
             if name in self.broken:
-                raise ModelNotFound(f"model {name!r} is unavailable: {self.broken[name]}")
+                raise no_available_versions(name, f"unavailable: {self.broken[name]}")
             raise unknown_model(name)
-        if version not in ("", "1"):
-            raise ModelNotFound(f"model {name!r} has no version {version!r} (only \"1\")")
+        number = requested_version(version)
+        if number not in (None, 1):
+            raise unknown_version(name, number)
         return config
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
@@ -67,8 +73,8 @@ class InferenceService:
         self.metrics.protocol(protocol).inc()
         try:
             config = self.model(model, version)
-        except ModelNotFound:
-            self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
+        except ConveyorError as exc:
+            self._count(UNKNOWN_MODEL, exc.code, started)
             raise
         regions: Binding | None = None
         try:
@@ -78,7 +84,7 @@ class InferenceService:
             priority = requested_priority(parsed, config.queue.priority_levels,
                                           config.queue.default_priority, "the model's default")
             if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
-                regions = await self._bind(parsed)
+                regions = await self._bind(parsed, model)
             now_ms = int(time.time() * 1000)
             timeout_ms = float(config.queue.default_timeout_ms)
             asked = parsed.parameters.get("timeout")
@@ -120,11 +126,11 @@ class InferenceService:
         series.batch_size.observe(reply.batch_rows)
         return parsed, reply
 
-    async def _bind(self, parsed: InferRequest) -> Binding | None:
+    async def _bind(self, parsed: InferRequest, model: str) -> Binding | None:
         """Read the inputs given by shared memory region, hold the output regions."""
         if self.shm is None:
             raise not_found([*parsed.shm_inputs.values(), *parsed.shm_outputs.values()][0].region)
-        return await self.shm.bind(parsed)
+        return await self.shm.bind(parsed, model)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         series = self.metrics.of(model)

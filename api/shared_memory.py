@@ -141,9 +141,9 @@ class SharedMemory:
         return [{"name": n, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
                 for n, r in sorted(found.items())]
 
-    async def bind(self, request: InferRequest) -> Binding | None:
+    async def bind(self, request: InferRequest, model: str) -> Binding | None:
         """Read the request's inputs from their regions and hold its output regions; None
-        when the request names no region."""
+        when the request names no region (``model`` names the model in the messages)."""
         if not request.shm_inputs and not request.shm_outputs:
             return None
         refs = [*request.shm_inputs.values(), *request.shm_outputs.values()]
@@ -159,7 +159,8 @@ class SharedMemory:
             data = (await asyncio.to_thread(region.read, ref) if ref.byte_size >= THREAD_BYTES
                     else region.read(ref))
             spec = request.inputs[index]
-            request.inputs[index] = tensor_from_buffer(spec.name, spec.datatype, spec.shape, data)
+            request.inputs[index] = tensor_from_buffer(spec.name, spec.datatype, spec.shape, data,
+                                                       model)
         return Binding({name: (regions[ref.region], ref)
                         for name, ref in request.shm_outputs.items()})
 

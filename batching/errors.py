@@ -37,9 +37,12 @@ class ModelNotFound(ConveyorError):
 
 
 class Overloaded(ConveyorError):
+    """The model's queue is full. 503 / UNAVAILABLE, as Triton answers it (clients retry
+    on those codes), with ``Retry-After`` over HTTP."""
+
     code = "overloaded"
-    http_status = 429
-    grpc_status = "RESOURCE_EXHAUSTED"
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
@@ -52,6 +55,16 @@ class Unavailable(ConveyorError):
     code = "unavailable"
     http_status = 503
     grpc_status = "UNAVAILABLE"
+
+
+class MalformedShape(ConveyorError):
+    """A JSON ``shape`` element that is not an unsigned integer (negative, a fraction, a
+    string, a bool): Triton answers this 500 / INTERNAL, and its HTTP test pins that code
+    for a negative dim, so conveyor answers it so too."""
+
+    code = "malformed_shape"
+    http_status = 500
+    grpc_status = "INTERNAL"
 
 
 class PayloadTooLarge(ConveyorError):
@@ -153,7 +166,7 @@ _BY_CODE: dict[str, type[ConveyorError]] = {
     for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
                 DeadlineExceeded, ModelFailure, ModelControlDisabled, Unauthenticated,
                 PermissionDenied, PayloadTooLarge, RequestTimeout, HeadersTooLarge, Unsupported,
-                AlreadyExists, RegionNotFound, TooManyRegions)
+                AlreadyExists, RegionNotFound, TooManyRegions, MalformedShape)
 }
 
 

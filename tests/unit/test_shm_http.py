@@ -106,7 +106,8 @@ def test_infer_reads_inputs_from_and_writes_outputs_to_regions(
     (ref("in", 32), ref("out", 2**64 - 32, offset=32), 400,
      "Integer overflow detected: byte_size (18446744073709551584) + offset (32) exceeds "
      "maximum value (18446744073709551615) for region 'out'"),
-    (ref("in", 36), ref("out", 32), 400, "input 'x': 36 bytes of FP32 data do not fill"),
+    (ref("in", 36), ref("out", 32), 400,
+     "input byte size mismatch for input 'x' for model 'echo'. Expected 32, got 36"),
     (ref("in", 32), ref("out", 16), 400,
      "shared memory size specified with the request for output 'y' (16 bytes) should be at "
      "least 32 bytes to hold the results"),

@@ -59,7 +59,7 @@ def test_a_region_registered_through_one_process_serves_in_another(objects: Obje
         await first.register("out", out_key, 0, 16)
         assert await second.status("") == await first.status("")
         parsed = request("in", "out")
-        binding = await second.bind(parsed)
+        binding = await second.bind(parsed, "m")
         assert binding is not None
         np.testing.assert_array_equal(parsed.inputs[0].array(), x.reshape(1, 4))
         await binding.write([Tensor.from_array("y", x.reshape(1, 4) * 3)])
@@ -71,13 +71,13 @@ def test_a_region_registered_through_one_process_serves_in_another(objects: Obje
         await first.unregister("in")
         await first.register("in", other_key, 0, 16)
         again = request("in", "out")
-        bound = await second.bind(again)
+        bound = await second.bind(again, "m")
         assert bound is not None
         bound.close()
         np.testing.assert_array_equal(again.inputs[0].array(), (x + 10).reshape(1, 4))
         await first.unregister("")
         with pytest.raises(RegionNotFound, match="Unable to find shared memory region: 'in'"):
-            await second.bind(request("in", "out"))
+            await second.bind(request("in", "out"), "m")
         await first.close()
         await second.close()
         await dispatcher.close()
@@ -93,7 +93,7 @@ def test_the_sweep_closes_what_other_processes_unregistered(objects: Objects) ->
         first, second = registry(dispatcher), registry(dispatcher)
         before = open_fds()
         await first.register("in", key, 0, 16)
-        binding = await second.bind(request("in", "in"))  # opens it in the second process too
+        binding = await second.bind(request("in", "in"), "m")  # opens it in the second process too
         assert binding is not None
         binding.close()
         assert len(open_fds() - before) == 2
@@ -147,7 +147,7 @@ def test_a_request_in_flight_writes_into_a_region_unregistered_meanwhile(
         before = open_fds()
         await shm.register("in", in_key, 0, 16)
         await shm.register("out", out_key, 0, 16)
-        binding = await shm.bind(request("in", "out"))
+        binding = await shm.bind(request("in", "out"), "m")
         assert binding is not None
         await shm.unregister("")  # while the request is queued
         assert len(open_fds() - before) == 1  # "out" stays open for it; "in" is closed
@@ -156,7 +156,7 @@ def test_a_request_in_flight_writes_into_a_region_unregistered_meanwhile(
         assert open_fds() == before
         assert objects.path(out_key).read_bytes() == b"\x01" * 16
         with pytest.raises(RegionNotFound):
-            await shm.bind(request("in", "out"))
+            await shm.bind(request("in", "out"), "m")
         await shm.close()
         await dispatcher.close()
 
@@ -202,7 +202,7 @@ def test_inputs_read_from_regions_are_bounded(objects: Objects) -> None:
                              interval_s=60, host="h")
         await small.register("in", objects.make(16), 0, 16)
         with pytest.raises(Exception, match="more than the 8 a request may carry"):
-            await small.bind(request("in", "in"))
+            await small.bind(request("in", "in"), "m")
         await small.close()
         await dispatcher.close()
 

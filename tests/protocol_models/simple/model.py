@@ -1,5 +1,6 @@
-"""Test model of Triton's "simple" shape: the sum and the difference of two INT32 inputs,
-after ``parameters.delay_ms`` (0 unless the config says)."""
+"""Test model, Triton's "simple": the sum and the difference of two INT32 inputs, after
+``parameters.delay_ms`` (a model whose queue fills, or one slow enough to unregister a
+shared memory region while it runs)."""
 
 import time
 
@@ -8,7 +9,7 @@ import numpy as np
 
 class Model:
     def __init__(self, config: dict, device: str) -> None:
-        self.delay_s = float(config.get("parameters", {}).get("delay_ms", 0)) / 1000.0
+        self.delay_s = float(config["parameters"].get("delay_ms", 0)) / 1000.0
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.delay_s:
