@@ -30,10 +30,11 @@ from api.proto import inference_pb2_grpc as pb_grpc
 from api.repository_control import Repository
 from api.routes import check_load_parameters, metadata, server_metadata
 from api.service import InferenceService
+from api.shared_memory import CUDA_UNSUPPORTED, DISABLED, SharedMemory
 from api.stats import statistics
 from api.triton_config import triton_config
 from batching.config import ModelConfig
-from batching.errors import ConveyorError
+from batching.errors import ConveyorError, Unsupported
 from batching.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                     context: Any) -> pb.RepositoryModelUnloadResponse:
         await self.repository.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    @property
+    def _shm(self) -> SharedMemory:
+        if self.service.shm is None:  # a service built without it (tests): as if off
+            raise Unsupported(DISABLED)
+        return self.service.shm
+
+    @_mapped
+    async def SystemSharedMemoryStatus(self, request: Any,
+                                       context: Any) -> pb.SystemSharedMemoryStatusResponse:
+        regions = await self._shm.status(request.name)
+        return from_json({"regions": {r["name"]: r for r in regions}},
+                         pb.SystemSharedMemoryStatusResponse())
+
+    @_mapped
+    async def SystemSharedMemoryRegister(self, request: Any,
+                                         context: Any) -> pb.SystemSharedMemoryRegisterResponse:
+        await self._shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_mapped
+    async def SystemSharedMemoryUnregister(
+            self, request: Any, context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self._shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_mapped
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
+
+    @_mapped
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
+
+    @_mapped
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
 
 
 class GrpcEndpoint:

@@ -19,6 +19,7 @@ import numpy.typing as npt
 import orjson
 
 from api.binary import tensor_from_buffer
+from api.shm_params import ShmRef, tensor_ref
 from batching.config import ModelConfig
 from batching.datatypes import to_numpy
 from batching.envelope import Tensor
@@ -44,6 +45,11 @@ class InferRequest:
     """HTTP: render the outputs as binary when the request lists none (``binary_data_output``)."""
     binary_outputs: dict[str, bool] = field(default_factory=dict)
     """HTTP: the listed outputs' ``binary_data`` flags."""
+    shm_inputs: dict[int, ShmRef] = field(default_factory=dict)
+    """Inputs (by index) whose bytes lie in a shared memory region; their tensors hold no
+    data until :meth:`api.shared_memory.SharedMemory.bind` reads it."""
+    shm_outputs: dict[str, ShmRef] = field(default_factory=dict)
+    """Outputs to write into a shared memory region; the response carries no data for them."""
 
     def binary(self, output: str) -> bool:
         """A listed output is binary only when it says so itself, whatever
@@ -80,7 +86,13 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
     # then the binary sizes; its clients and tests see whichever error comes first.
     parts: list[Tensor | memoryview] = []
     offset = 0
-    for (name, datatype, shape, size), item in zip(heads, raw_inputs, strict=True):
+    shm_inputs = {}
+    for index, ((name, datatype, shape, size, ref), item) in enumerate(zip(heads, raw_inputs,
+                                                                           strict=True)):
+        if ref is not None:
+            shm_inputs[index] = ref
+            parts.append(Tensor(name, datatype, shape, b""))
+            continue
         if size is None:
             parts.append(_json_tensor(name, datatype, shape, item["data"]))
             continue
@@ -94,14 +106,14 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
         raise InvalidInput(f"unexpected additional input data for model '{config.name}' "
                            f"({len(binary) - offset} bytes that no input's binary_data_size "
                            "accounts for)")
-    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _ in heads])
+    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _, _ in heads])
     tensors = [part if isinstance(part, Tensor) else
                tensor_from_buffer(name, datatype, shape, part, config.name)
-               for (name, datatype, shape, _), part in zip(heads, parts, strict=True)]
+               for (name, datatype, shape, _, _), part in zip(heads, parts, strict=True)]
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
-    names, flags = _wanted_outputs(doc.get("outputs"))
+    names, flags, shm_outputs = _wanted_outputs(doc.get("outputs"))
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput(f"'id' must be a string, got {type(rid).__name__}")
@@ -113,11 +125,14 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
         parameters=params,
         binary_default=params.get("binary_data_output") is True,
         binary_outputs=flags,
+        shm_inputs=shm_inputs,
+        shm_outputs=shm_outputs,
     )
 
 
-def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]:
-    """(name, datatype, shape, binary_data_size or None when the data is JSON)."""
+def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None, ShmRef | None]:
+    """(name, datatype, shape, binary_data_size or None, the region holding the data or
+    None): the data is JSON when both are None."""
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
     name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
@@ -140,6 +155,16 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
         raise InvalidInput(f"input {name!r}: 'parameters' must be an object")
     reject_unsupported(f"input {name!r}", params)
     size = params.get("binary_data_size")
+    ref = tensor_ref(name, params)
+    if ref is not None:
+        if "data" in item or size is not None:
+            given = " ".join(f"'{k}'" for k, present in (("data", "data" in item),
+                             ("binary_data_size", size is not None)) if present)
+            raise InvalidInput(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' "
+                "in 'parameters', 'shared_memory_region' in 'parameters'. But set "
+                f"{given} 'shared_memory_region'")
+        return name, datatype, tuple(shape), None, ref
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
@@ -151,7 +176,7 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
         raise InvalidInput(f"byte size overflow for input '{name}': element count ({count}) "
                            f"* data type size ({dtype.itemsize}) exceeds maximum allowed size "
                            f"({INT64_MAX})")
-    return name, datatype, tuple(shape), size
+    return name, datatype, tuple(shape), size, None
 
 
 def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Tensor:
@@ -233,14 +258,16 @@ def json_numbers(data: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return found.astype(dtype, copy=False)
 
 
-def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:
-    """Names of the requested outputs, and their ``binary_data`` flags where given."""
+def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool], dict[str, ShmRef]]:
+    """Names of the requested outputs, their ``binary_data`` flags where given, and the
+    regions of those asked for in shared memory."""
     if raw is None:
-        return [], {}
+        return [], {}, {}
     if not isinstance(raw, list):
         raise InvalidInput("'outputs' must be a list")
     names: list[str] = []
     flags: dict[str, bool] = {}
+    regions: dict[str, ShmRef] = {}
     for i, item in enumerate(raw):
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str):
@@ -251,12 +278,17 @@ def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:
         reject_unsupported(f"output {name!r}", params)
         if isinstance(params.get("binary_data"), bool):
             flags[name] = params["binary_data"]
+        ref = tensor_ref(name, params)
+        if ref is not None:
+            if params.get("binary_data") is True:
+                raise InvalidInput("Output can't set both 'shared_memory_region' and "
+                                   "'binary_data'")
+            regions[name] = ref
         names.append(name)
-    return names, flags
+    return names, flags, regions
 
 
-UNSUPPORTED = {"shared_memory_region": "shared memory tensors",
-               "classification": "classification outputs"}
+UNSUPPORTED = {"classification": "classification outputs"}
 """Tensor parameters of Triton extensions conveyor does not implement."""
 
 
@@ -289,7 +321,10 @@ def render(model: str, request: InferRequest, outputs: list[Tensor]) -> tuple[by
     blobs: list[bytes] = []
     described: list[dict[str, Any]] = []
     for tensor in chosen_outputs(outputs, request.outputs):
-        if request.binary(tensor.name):
+        if tensor.name in request.shm_outputs:  # its data went into the region
+            described.append({"name": tensor.name, "datatype": tensor.datatype,
+                              "shape": list(tensor.shape)})
+        elif request.binary(tensor.name):
             described.append({"name": tensor.name, "datatype": tensor.datatype,
                               "shape": list(tensor.shape),
                               "parameters": {"binary_data_size": len(tensor.raw)}})

@@ -24,7 +24,7 @@ from batching.errors import ConveyorError, InvalidInput, Overloaded, Unavailable
 
 VERSION = "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "parameters",
-              "schedule_policy", "statistics"]
+              "schedule_policy", "statistics", "system_shared_memory"]
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:

@@ -13,6 +13,7 @@ from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.kserve import InferRequest
 from api.metrics import ApiMetrics
+from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
 from batching.envelope import Reply, Request
 from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
@@ -43,6 +44,8 @@ class InferenceService:
     """Models unloaded through the repository API (kept in step by api.repository_control)."""
     broken: dict[str, str] = field(default_factory=dict)
     """Model folders whose configuration failed, with the reason (api.repository_control too)."""
+    shm: SharedMemory | None = None
+    """System shared memory regions; None: a tensor that names one finds none."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
@@ -73,12 +76,15 @@ class InferenceService:
         except ConveyorError as exc:
             self._count(UNKNOWN_MODEL, exc.code, started)
             raise
+        regions: Binding | None = None
         try:
             parsed = await parse(config)
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
                                           config.queue.default_priority, "the model's default")
+            if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
+                regions = await self._bind(parsed, model)
             now_ms = int(time.time() * 1000)
             timeout_ms = float(config.queue.default_timeout_ms)
             asked = parsed.parameters.get("timeout")
@@ -102,6 +108,8 @@ class InferenceService:
             reply = await self.dispatcher.submit(admission, request, timeout_ms / 1000.0)
             if not reply.ok:
                 raise from_code(reply.error_code, reply.error)
+            if regions is not None:
+                await regions.write(reply.outputs)
         except ConveyorError as exc:
             self._count(model, exc.code, started)
             raise
@@ -109,11 +117,20 @@ class InferenceService:
             log.exception("request for model %s failed", model)
             self._count(model, ConveyorError.code, started)
             raise ConveyorError(f"internal error: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if regions is not None:
+                regions.close()
         self._count(model, "success", started)
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)
         series.batch_size.observe(reply.batch_rows)
         return parsed, reply
+
+    async def _bind(self, parsed: InferRequest, model: str) -> Binding | None:
+        """Read the inputs given by shared memory region, hold the output regions."""
+        if self.shm is None:
+            raise not_found([*parsed.shm_inputs.values(), *parsed.shm_outputs.values()][0].region)
+        return await self.shm.bind(parsed, model)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         series = self.metrics.of(model)

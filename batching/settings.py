@@ -101,6 +101,13 @@ class Settings(BaseSettings):
     model_control: Literal["none", "explicit"] = "none"
     """Repository load/unload over HTTP and gRPC: ``none`` refuses them (Triton's
     ``--model-control-mode``); ``explicit`` allows them to ``admin`` keys."""
+    allow_client_shm: bool = False
+    """Clients on this host may register system shared memory regions and pass tensors
+    through them (Triton's ``--allow-client-shm``; needs the ``infer`` scope). Off,
+    register and unregister answer 501 / UNIMPLEMENTED."""
+    shm_max_regions: int = 64
+    """Registered system shared memory regions, at most, for all the API processes of a
+    host together."""
     server_name: Annotated[str, Field(min_length=1)] = "conveyor"
     """The server's ``name`` in its metadata (``GET /v2``, gRPC ``ServerMetadata``)."""
     callback_hosts: str = ""

@@ -1,5 +1,6 @@
 """Test model, Triton's "simple": the sum and the difference of two INT32 inputs, after
-``parameters.delay_ms`` (a model whose queue fills)."""
+``parameters.delay_ms`` (a model whose queue fills, or one slow enough to unregister a
+shared memory region while it runs)."""
 
 import time
 
