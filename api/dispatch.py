@@ -40,6 +40,10 @@ POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
 REQUEST_ADMIT = script("admit")
+EXEC_SMOOTHING = 0.25
+"""Weight of the newest lone request's run time in its model's smoothed one."""
+POLL_LEAD = 0.8
+"""The poll for a lone request starts after this share of its model's usual run time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,10 @@ class Dispatcher:
         self._busy_poll_s = busy_poll_s
         self._poll_until = 0.0
         self._polling = False
+        self._exec_s: dict[str, float] = {}
+        """Per model (its rows key): the model's run time for lone requests, smoothed. The
+        poll for a lone request's reply starts only when the reply is nearly due, so that
+        it does not take a core from the model while it runs."""
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -114,18 +122,26 @@ class Dispatcher:
         self._waiting[request.id] = fut
         if not self._outbox:
             loop.call_soon(self._flush)
-        self._poll_until = time.perf_counter() + self._busy_poll_s
+        lead = self._exec_s.get(admission.rows_key, 0.0) * POLL_LEAD
+        self._poll_until = time.perf_counter() + lead + self._busy_poll_s
         if lone and not self._polling:
             self._polling = True
-            loop.call_soon(self._poll)
+            loop.call_later(lead, self._poll)
         self._outbox.append((admission, request.encode(), fut))
         # A timer on the future itself: lighter than asyncio.wait_for's extra future.
         expiry = loop.call_later(max(timeout_s, 0.0), _expire, fut, timeout_s)
         try:
-            return await fut
+            reply = await fut
+            if lone and reply.exec_ms > 0:
+                self._note_exec(admission.rows_key, reply.exec_ms / 1e3)
+            return reply
         finally:
             expiry.cancel()
             self._waiting.pop(request.id, None)
+
+    def _note_exec(self, model: str, seconds: float) -> None:
+        seen = self._exec_s.get(model)
+        self._exec_s[model] = seconds if seen is None else seen + EXEC_SMOOTHING * (seconds - seen)
 
     def _poll(self) -> None:
         """Keep the event loop polling, not sleeping, while a lone request's reply is due

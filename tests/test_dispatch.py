@@ -60,14 +60,15 @@ def admission(rows: int = 1, max_rows: int = 100) -> Admission:
     return Admission(STREAM, KEYS.rows_waiting("m"), rows, max_rows)
 
 
-async def serve_one(client: aioredis.Redis) -> Request:
-    """Act as a worker: take the oldest entry and answer it."""
+async def serve_one(client: aioredis.Redis, exec_ms: float = 0.0) -> Request:
+    """Act as a worker: take the oldest entry and answer it (its model ran ``exec_ms``)."""
     while not (entries := await client.xrange(STREAM, count=1)):
         await asyncio.sleep(0.005)
     entry_id, fields = cast(tuple[bytes, dict[bytes, bytes]], entries[0])
     await client.xdel(STREAM, entry_id)
     sent = Request.decode(fields[FIELD])
-    await client.rpush(sent.reply, Reply(sent.id, sent.inputs, batch_rows=sent.rows).encode())
+    await client.rpush(sent.reply, Reply(sent.id, sent.inputs, batch_rows=sent.rows,
+                                         exec_ms=exec_ms).encode())
     return sent
 
 
@@ -158,6 +159,28 @@ def test_a_lone_request_is_marked_and_polled_for(server: RedisServer) -> None:
         assert [s.params.get("lone") for s in served] == [1, None]
         await asyncio.sleep(0.01)
         assert not dispatcher._polling  # nothing in flight: the loop sleeps again
+    run(server, body, busy_poll_s=1.0)
+
+
+def test_the_poll_waits_out_most_of_a_slow_models_run(server: RedisServer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone request to a model that runs 200 ms is not polled for while it runs (the poll
+    would take a core from the model); one to a model with no record is polled for at once."""
+    yields = [0]
+    monkeypatch.setattr("api.dispatch.os.sched_yield", lambda: yields.__setitem__(0, yields[0] + 1))
+
+    async def lone_request(dispatcher: Dispatcher, client: aioredis.Redis) -> int:
+        yields[0] = 0
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
+        await asyncio.sleep(0.05)
+        polled = yields[0]
+        await serve_one(client, exec_ms=200.0)
+        await waiting
+        return polled
+
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        assert await lone_request(dispatcher, client) > 0  # no record yet: polled at once
+        assert await lone_request(dispatcher, client) == 0  # 200 ms models: not yet
     run(server, body, busy_poll_s=1.0)
 
 
