@@ -4,7 +4,7 @@ uvicorn, built here rather than from its command line, serves the application of
 :func:`api.main.create_app` on ``CONVEYOR_HOST``:``CONVEYOR_HTTP_PORT`` with the
 connection guards of :mod:`api.http_guard`, TLS when ``CONVEYOR_TLS_CERT_FILE`` and
 ``CONVEYOR_TLS_KEY_FILE`` are set, and no access log; gRPC starts with the application
-(``api.main``). ``CONVEYOR_API_WORKERS`` processes (default: one per core) share both
+(``api.main``). ``CONVEYOR_API_WORKERS`` processes (default: half the cores) share both
 ports (:mod:`api.process_pool`). It refuses to start (exit status 2) on an address beyond
 loopback without API keys.
 """

@@ -28,7 +28,8 @@ class Settings(BaseSettings):
     """The inference worker's probe port (/live, /ready); 0 turns the probe off."""
     api_workers: int = Field(default=0, ge=0, le=256)
     """API processes sharing the HTTP and gRPC ports (``python -m api.serve``, ``conveyor
-    run``); 0: one per core available to the process."""
+    run``); 0: half the cores available to the process, at least one (the other half is
+    for the inference processes and Redis on the same host)."""
     batch_events_per_s: int = 100
     """Most Celery task events (one per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer events. 0 sends none."""
@@ -118,5 +119,6 @@ class Settings(BaseSettings):
         return {m.strip() for m in self.models.split(",") if m.strip()}
 
     def api_processes(self) -> int:
-        """``api_workers``, or the cores this process may run on when it is 0."""
-        return self.api_workers or len(os.sched_getaffinity(0))
+        """``api_workers``, or when it is 0 half the cores this process may run on (at
+        least one)."""
+        return self.api_workers or max(1, len(os.sched_getaffinity(0)) // 2)

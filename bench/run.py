@@ -37,6 +37,7 @@ from typing import TypedDict
 
 import numpy as np
 
+from batching.settings import Settings
 from bench import triton
 from bench.models import LAYERS, MAX_BATCH_SIZE, write_repository
 from bench.wrk import WrkResult, run_wrk
@@ -49,6 +50,8 @@ from conveyor.harness import ProcessGroup, RedisServer, free_port, group_cpu_s, 
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
 NCPU = os.cpu_count() or 1
+DEFAULT_API = Settings(api_workers=0).api_processes()
+"""The API process count ``make run`` starts here (``CONVEYOR_API_WORKERS`` unset)."""
 
 
 def http_ok(url: str, body: bytes | None = None) -> bool:
@@ -324,7 +327,7 @@ def bench_conveyor(model: str, body: str, args: argparse.Namespace, work: Path,
         stack.enter_context(started(groups[1:], lambda: http_ok(f"{base}/v2/health/ready")
                                     and http_ok(url, body.encode())))
         points = [wrk_point(system, url, body, groups, args, c) for c in args.concurrency]
-        if api_workers == NCPU:
+        if api_workers == DEFAULT_API:
             points += binary_points(system, model, url, f"127.0.0.1:{grpc_port}", groups, args, work,
                                     args.binary_concurrency)
     return points
@@ -354,7 +357,7 @@ def ratio_rows(model: str, points: list[Point], top: str) -> list[str]:
     """The targets, for conveyor as ``make run`` serves it (one API process per core)."""
     def pick(system: str, concurrency: str) -> Point | None:
         return next((p for p in points if p.system == system and p.concurrency == concurrency), None)
-    conveyor = conveyor_system(NCPU)
+    conveyor = conveyor_system(DEFAULT_API)
     rows = []
     top_point, plain = pick(conveyor, top), pick("plain FastAPI", top)
     target = {"mlp_medium": 5.0, "mlp_tiny": 2.0}.get(model)
@@ -446,7 +449,7 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         "[RESULTS-batching.md](RESULTS-batching.md)",
         "- conveyor: `python -m api.serve` and a Celery worker as `make run` starts them, default "
         "settings (so busy polling for lone requests, `CONVEYOR_BUSY_POLL_US=1000`: "
-        "docs/data-path.md section 7, and `CONVEYOR_API_WORKERS` API processes: one per core "
+        "docs/data-path.md section 7, and `CONVEYOR_API_WORKERS` API processes: half the cores "
         "unless the row says otherwise), the models' `model.onnx` with no `config.yaml` "
         "(bench/models.py), own redis-server, gRPC and probe ports; extra environment: "
         + (", ".join(f"`{kv}`" for kv in args.conveyor_env) or "none"),
@@ -463,7 +466,7 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         ratios += ratio_rows(model, points, top)
     lines += ["## Ratios against the targets", "", "| what | measured | target | met |",
               "|---|---|---|---|", *ratios, "",
-              f"The targets are conveyor's as `make run` serves it ({conveyor_system(NCPU)}).", ""]
+              f"The targets are conveyor's as `make run` serves it ({conveyor_system(DEFAULT_API)}).", ""]
     return "\n".join(lines)
 
 
@@ -486,9 +489,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per point")
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(LAYERS))
     parser.add_argument("--concurrency", type=ints, default=[1, 8, 64])
-    parser.add_argument("--api-workers", type=ints, default=sorted({1, NCPU}),
+    parser.add_argument("--api-workers", type=ints, default=sorted({DEFAULT_API, NCPU}),
                         help="CONVEYOR_API_WORKERS values to run conveyor with (binary and gRPC "
-                             "rows for the default, one per core)")
+                             "rows for the default, half the cores)")
     parser.add_argument("--binary-concurrency", type=ints, default=[1, 64],
                         help="concurrency of the binary-tensor (wrk) and gRPC (h2load) rows")
     parser.add_argument("--pytriton", action="store_true",
