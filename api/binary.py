@@ -76,10 +76,11 @@ def raw_input(body: bytes, config: ModelConfig) -> Tensor:
         shape = (1,) * len(spec.shape)
         return Tensor(spec.name, spec.datatype, shape, _LENGTH.pack(len(body)) + body)
     itemsize = to_numpy(spec.datatype).itemsize
-    inner = list(spec.shape[1:])
+    inner = list(spec.shape[1:] if config.batched else spec.shape)
     free = [i for i, d in enumerate(inner) if d == -1]
     fixed = int(np.prod([d for d in inner if d != -1], dtype=np.int64)) * itemsize
-    if len(free) > 1 or fixed == 0 or len(body) % fixed:
+    whole = config.batched or free or len(body) == fixed  # no batch dim: exactly one
+    if len(free) > 1 or fixed == 0 or len(body) % fixed or not whole:
         raise InvalidInput(
             f"a raw binary request of {len(body)} bytes cannot fill input {spec.describe()}: "
             "its shape cannot be deduced from the size")
@@ -88,7 +89,8 @@ def raw_input(body: bytes, config: ModelConfig) -> Tensor:
         rows = 1
     else:
         rows = len(body) // fixed
-    return tensor_from_buffer(spec.name, spec.datatype, (rows, *inner), body)
+    shape = (rows, *inner) if config.batched else tuple(inner)
+    return tensor_from_buffer(spec.name, spec.datatype, shape, body)
 
 
 def compress(body: bytes, accept: str) -> tuple[bytes, str | None]:

@@ -40,6 +40,8 @@ class InferRequest:
     """HTTP: render outputs as binary unless an output says otherwise (``binary_data_output``)."""
     binary_outputs: dict[str, bool] = field(default_factory=dict)
     """HTTP: per-output ``binary_data`` overrides."""
+    version: str = "1"
+    """The model version that answers (set by the service once the model is known)."""
 
     def binary(self, output: str) -> bool:
         return self.binary_outputs.get(output, self.binary_default)
@@ -258,7 +260,8 @@ def render(model: str, request: InferRequest, outputs: list[Tensor]) -> tuple[by
             blobs.append(tensor.raw)
         else:
             described.append(_json_output(tensor))
-    body: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
+    body: dict[str, Any] = {"model_name": model, "model_version": request.version,
+                            "outputs": described}
     if request.id is not None:
         body["id"] = request.id
     header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

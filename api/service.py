@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from api.body import BodyLimits
 from api.dispatch import Admission
@@ -14,7 +15,7 @@ from api.health import WorkerWatch
 from api.kserve import InferRequest
 from api.metrics import ApiMetrics
 from batching.config import ModelConfig
-from batching.envelope import Reply, Request
+from batching.envelope import VERSION, WHOLE, Reply, Request
 from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
 from batching.keys import Keys
 from batching.names import unknown_model
@@ -40,7 +41,7 @@ class InferenceService:
     """Model folders whose configuration failed, with the reason (api.repository_control too)."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
-        """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
+        """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
@@ -48,8 +49,9 @@ class InferenceService:
             if name in self.broken:
                 raise ModelNotFound(f"model {name!r} is unavailable: {self.broken[name]}")
             raise unknown_model(name)
-        if version not in ("", "1"):
-            raise ModelNotFound(f"model {name!r} has no version {version!r} (only \"1\")")
+        if version and version not in config.served_versions:
+            raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not "
+                                "found")
         return config
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
@@ -69,6 +71,7 @@ class InferenceService:
             raise
         try:
             parsed = await parse(config)
+            parsed.version = version or config.served_versions[-1]
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
@@ -89,7 +92,7 @@ class InferenceService:
                 prio=priority,
                 inputs=parsed.inputs,
                 outputs=parsed.outputs,
-                params=_cost(parsed),
+                params=_params(parsed, config, version),
             )
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
                                   parsed.rows, config.queue.max_queue_rows)
@@ -125,7 +128,18 @@ def requested_priority(parsed: InferRequest, levels: int, default: int, default_
     return raw or default
 
 
-def _cost(parsed: InferRequest) -> dict[str, float]:
+def _params(parsed: InferRequest, config: ModelConfig, version: str) -> dict[str, Any]:
+    """What travels with the request to the worker: its cost, its model version (a model
+    with version folders), and whether it is one whole unit (no batch dim)."""
+    params: dict[str, Any] = _cost(parsed)
+    if config.versions:
+        params[VERSION] = version or config.versions[-1]
+    if not config.batched:
+        params[WHOLE] = 1
+    return params
+
+
+def _cost(parsed: InferRequest) -> dict[str, Any]:
     """``parameters.cost`` (tokens, pixels...) travels to the batch former's cost bound."""
     cost = parsed.parameters.get("cost")
     if cost is None:

@@ -11,6 +11,7 @@ from batching.config_schema import (
     BACKENDS,
     BatchingSchema,
     ConfigError,
+    ConfigSchema,
     CpuThreadsSchema,
     InstanceSchema,
     QueueSchema,
@@ -20,12 +21,13 @@ from batching.config_schema import (
 )
 
 __all__ = ["BACKENDS", "BatchingConfig", "ConfigError", "CpuThreads", "InstanceGroup",
-           "ModelConfig", "QueueConfig", "TensorSpec"]
+           "ModelConfig", "QueueConfig", "TensorSpec", "VersionPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One input or output. ``shape`` includes the batch dim first; -1 is variable."""
+    """One input or output. ``shape`` includes the batch dim first (none when the model's
+    ``max_batch_size`` is 0); -1 is variable."""
 
     name: str
     datatype: str
@@ -73,6 +75,25 @@ class CpuThreads:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionPolicy:
+    """Which version folders a model serves: ``kind`` is "latest" (the newest ``latest``),
+    "all", or "specific" (``specific``)."""
+
+    kind: str = "latest"
+    latest: int = 1
+    specific: tuple[int, ...] = ()
+
+    def choose(self, found: list[int]) -> list[int]:
+        """The versions served out of the version folders ``found``, ascending."""
+        ordered = sorted(found)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.specific]
+        return ordered[-self.latest:]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str
@@ -89,6 +110,30 @@ class ModelConfig:
     instances: tuple[InstanceGroup, ...] = (InstanceGroup(),)
     cpu_threads: CpuThreads = field(default_factory=CpuThreads)
     parameters: dict[str, Any] = field(default_factory=dict)
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    versions: tuple[str, ...] = ()
+    """The version folders served, ascending; () for a model whose artifact lies in its
+    folder itself, served as version "1"."""
+    model_filename: str | None = None
+
+    @property
+    def batched(self) -> bool:
+        """False for ``max_batch_size: 0``: no batch dim, each request runs alone."""
+        return self.max_batch_size > 0
+
+    @property
+    def batch_rows(self) -> int:
+        """The rows one batch may hold (a model without a batch dim: one request)."""
+        return max(1, self.max_batch_size)
+
+    @property
+    def served_versions(self) -> tuple[str, ...]:
+        return self.versions or ("1",)
+
+    @property
+    def artifact(self) -> str:
+        """The artifact's file name in the model (or version) folder."""
+        return self.model_filename or BACKENDS[self.backend]
 
     def input(self, name: str) -> TensorSpec | None:
         for spec in self.inputs:
@@ -124,7 +169,20 @@ class ModelConfig:
             cpu_threads=CpuThreads(intra_op_threads(schema, chosen), threads.inter_op,
                                    threads.spin),
             parameters=dict(schema.parameters or {}),
+            version_policy=_policy(schema),
+            model_filename=schema.model_filename,
         )
+
+
+def _policy(schema: ConfigSchema) -> VersionPolicy:
+    policy = schema.version_policy
+    if policy is None:
+        return VersionPolicy()
+    if policy.latest is not None:
+        return VersionPolicy("latest", policy.latest)
+    if policy.specific is not None:
+        return VersionPolicy("specific", specific=tuple(policy.specific))
+    return VersionPolicy("all")
 
 
 def _tensor(spec: TensorSchema) -> TensorSpec:

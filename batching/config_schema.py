@@ -107,9 +107,24 @@ class CpuThreadsSchema(_Section):
     spin: bool = False
 
 
+class VersionPolicySchema(_Section):
+    """Which version folders are served: the newest ``latest``, ``all``, or ``specific``."""
+
+    latest: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    all: bool | None = None
+    specific: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+
+
+def _filename(value: str) -> str:
+    if not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise PydanticCustomError("filename", "must be a file name, with no folder in it")
+    return value
+
+
 class ConfigSchema(_Section):
     backend: Annotated[str, AfterValidator(_backend)] | None = None
-    max_batch_size: Annotated[int, Field(ge=1, le=INT32_MAX)] = 64
+    max_batch_size: Annotated[int, Field(ge=0, le=INT32_MAX)] = 64
+    """0: the model has no batch dim; each request runs alone, its shapes as given."""
     inputs: list[TensorSchema] | None = None
     outputs: list[TensorSchema] | None = None
     batching: BatchingSchema | None = None
@@ -120,6 +135,9 @@ class ConfigSchema(_Section):
     instances: list[InstanceSchema] | None = None
     cpu_threads: CpuThreadsSchema | None = None
     parameters: dict[str, Any] | None = None
+    version_policy: VersionPolicySchema | None = None
+    model_filename: Annotated[str, AfterValidator(_filename)] | None = None
+    """The artifact's file name, when not the backend's (``default_model_filename``)."""
     platform: str | None = None
     """Accepted for compatibility with Triton's configs, and ignored."""
 
@@ -129,6 +147,7 @@ _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     ("instances",): InstanceSchema, ("cpu_threads",): CpuThreadsSchema,
     ("inputs",): TensorSchema, ("outputs",): TensorSchema,
     ("inputs", "pad"): PadSchema, ("outputs", "pad"): PadSchema,
+    ("version_policy",): VersionPolicySchema,
 }
 
 
@@ -300,8 +319,14 @@ def _cross_checks(schema: ConfigSchema, backend: str) -> list[str]:
         problems.append(f"queue.default_priority must be within 1..priority_levels "
                         f"({queue.priority_levels}), got {queue.default_priority}")
     for key in ("inputs", "outputs"):
-        problems += _tensor_checks(key, getattr(schema, key) or [])
+        problems += _tensor_checks(key, getattr(schema, key) or [], schema.max_batch_size > 0)
     problems += _thread_checks(schema, backend)
+    policy = schema.version_policy
+    if policy is not None and sum(p is not None for p in (policy.latest, policy.all,
+                                                         policy.specific)) != 1:
+        problems.append("version_policy must give exactly one of latest, all, specific")
+    elif policy is not None and policy.all is False:
+        problems.append("version_policy.all must be true (or give latest or specific)")
     return problems
 
 
@@ -335,7 +360,7 @@ def intra_op_threads(schema: ConfigSchema, backend: str) -> int | None:
     return threads if isinstance(threads, int) else None
 
 
-def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:
+def _tensor_checks(key: str, tensors: list[TensorSchema], batched: bool) -> list[str]:
     problems: list[str] = []
     seen: dict[str, int] = {}
     for i, tensor in enumerate(tensors):
@@ -345,6 +370,10 @@ def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:
         seen.setdefault(tensor.name, i)
         pad = tensor.pad
         if pad is None:
+            continue
+        if not batched:
+            problems.append(f"{where}.pad needs a batch dim (max_batch_size: 0 runs each "
+                            "request alone)")
             continue
         if not 1 <= pad.axis < len(tensor.shape) or tensor.shape[pad.axis] != -1:
             problems.append(f"{where}.pad.axis must name a variable (-1) axis after the batch "

@@ -37,6 +37,8 @@ def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int,
         spec = config.input(name)
         if spec is not None:
             _check_one(spec, datatype, shape)
+        if not config.batched:
+            continue
         if not shape:
             raise InvalidInput(f"input {name!r}: shape must have the batch dim first, got []")
         if rows is None:
@@ -46,6 +48,8 @@ def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int,
                 f"input {name!r} has {shape[0]} rows but {names[0]!r} has {rows}; "
                 "every input needs the same batch dim"
             )
+    if not config.batched:
+        return 1  # no batch dim: the request is one unit of work, whatever its shapes
     assert rows is not None
     if rows < 1:
         raise InvalidInput(f"input {names[0]!r}: the batch dim must be at least 1, got {rows}")
