@@ -32,6 +32,7 @@ from batching.names import model_folder, require_folder, unknown_model
 from batching.redis_errors import REDIS_FAILED
 from batching.repository_scan import (
     as_text,
+    config_digest,
     failure_reason,
     is_model_folder,
     load_model_config,
@@ -182,7 +183,7 @@ class Repository:
         recorded = await self._record(name, "loaded", override)
         self._add(name, config)
         deadline = time.monotonic() + LOAD_READY_TIMEOUT_S
-        while not self._watch.model_ready(name):
+        while not self._watch.ready_with(name, config_digest(override)):
             failure = self._watch.failure(name)
             if failure is not None and failure[0] > recorded:
                 raise InvalidInput(f"load failed for model {name!r}: {failure[1]}")

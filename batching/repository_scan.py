@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -184,6 +185,14 @@ def scrub_paths(text: str, root: Path) -> str:
 def as_text(raw: bytes | str) -> str:
     """A Redis reply as text, whether or not the client decodes replies."""
     return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def config_digest(config: dict[str, Any] | None) -> str:
+    """A short digest of a load's configuration ("" for the folder's own): an inference
+    process reports the one it runs, so a load waits for processes that run its own."""
+    if config is None:
+        return ""
+    return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def record_value(state: str, at: float, config: dict[str, Any] | None = None) -> bytes:

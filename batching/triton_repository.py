@@ -27,6 +27,7 @@ _REFUSED = {
     "batch_output": "batch outputs (ragged batching) are not supported",
 }
 _TIMEOUT_US = "default_timeout_microseconds"
+PBTXT = "config.pbtxt"
 
 
 class _Fields:
@@ -35,6 +36,8 @@ class _Fields:
     def __init__(self, model: str, message: Message, where: str, source: str) -> None:
         self.model, self.message, self.where, self.source = model, message, where, source
         self._read: set[str] = set()
+        self.loose = source != PBTXT
+        """JSON: enum names are strings, and 64-bit integers may be too."""
 
     def error(self, line: int, text: str) -> ConfigError:
         at = f" line {line}" if line else ""
@@ -64,7 +67,7 @@ class _Fields:
 
     def as_int(self, name: str, value: Value) -> int:
         """An integer; JSON writes 64-bit ones as strings."""
-        json_int = value.kind == "string" and re.fullmatch(r"-?\d+", value.text)
+        json_int = self.loose and value.kind == "string" and re.fullmatch(r"-?\d+", value.text)
         number = value.number() if value.kind == "number" or json_int else None
         if not isinstance(number, int):
             raise self.error(value.line, f"{name} must be an integer, got {value.text!r}")
@@ -85,10 +88,14 @@ class _Fields:
         value = self.one(name)
         if value is None:
             return None
-        if value.kind not in ("ident", "string") or value.text not in allowed:
+        if value.kind not in self.names() or value.text not in allowed:
             raise self.error(value.line, f"{name} {value.text!r} is not supported (conveyor "
                                          f"understands {', '.join(allowed)})")
         return value.text
+
+    def names(self) -> tuple[str, ...]:
+        """The kinds of value an enum's name may be."""
+        return ("ident", "string") if self.loose else ("ident",)
 
     def messages(self, name: str) -> list[_Fields]:
         found = []
@@ -120,7 +127,7 @@ def pbtxt_config(model: str, text: bytes) -> dict[str, Any]:
         raise ConfigError(f"{model}: config.pbtxt is not UTF-8 text") from None
     except PbtxtError as exc:
         raise ConfigError(f"{model}: config.pbtxt {exc}") from None
-    return _convert(_Fields(model, root, "", "config.pbtxt"))
+    return _convert(_Fields(model, root, "", PBTXT))
 
 
 def json_config(model: str, text: str) -> dict[str, Any]:
@@ -231,7 +238,7 @@ def _tensor(fields: _Fields, batched: bool) -> dict[str, Any]:
     if data_type is None:
         raise fields.error(fields.message.line, "data_type is required")
     datatype = "BYTES" if data_type.text == "TYPE_STRING" else data_type.text[5:]
-    if data_type.kind != "ident" or not data_type.text.startswith("TYPE_") \
+    if data_type.kind not in fields.names() or not data_type.text.startswith("TYPE_") \
             or datatype not in DATATYPES:
         raise fields.error(data_type.line, f"data_type {data_type.text!r} is not supported")
     dims = fields.integers("dims")

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from batching.config import ModelConfig
 from batching.datatypes import from_numpy
 from batching.envelope import VERSION, Reply, Tensor
-from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
+from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unavailable
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import COMPUTE_PHASES, Keys
 from batching.memory import RowCap
@@ -412,7 +412,13 @@ class InferenceLoop:
     def _model_for(self, entry: Entry) -> LoadedModel:
         """The loaded version the entry asked for (a batch holds one version only)."""
         version = entry.request.params.get(VERSION)
-        return self.versions.get(version, self.model) if version else self.model
+        if not version:
+            return self.model
+        model = self.versions.get(version)
+        if model is None:  # admitted under a configuration this process does not run
+            raise Unavailable(f"model {self.config.name!r} version {version} is not loaded "
+                              "by this process (the model is being reloaded)")
+        return model
 
     def _predict(self, inputs: Arrays, rows: int, model: LoadedModel) -> Arrays:
         try:

@@ -20,7 +20,12 @@ from batching.keys import Keys
 from batching.lifetime import die_with_parent
 from batching.redis_errors import REDIS_UNREACHABLE
 from batching.redis_links import blocking_link
-from batching.repository_scan import artifact_folder, failure_reason, load_model_config
+from batching.repository_scan import (
+    artifact_folder,
+    config_digest,
+    failure_reason,
+    load_model_config,
+)
 from batching.settings import Settings
 from workers.backends import load_model
 from workers.events import make_batch_events
@@ -95,7 +100,8 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     _retry(streams.ensure_groups)
     shared.row_cap = loop.row_cap.cap
     shared.state = ProcState.READY
-    heartbeat.update(state="ready", max_batch_size=config.max_batch_size,
+    heartbeat.update(state="ready", config=config_digest(override),
+                     max_batch_size=config.max_batch_size,
                      row_cap=loop.row_cap.cap)
     log.info("%s ready on %s as %s", model_name, device, consumer)
     gc.collect()

@@ -367,8 +367,31 @@ class ModelParameter(_message.Message):
     string_value: str
     def __init__(self, string_value: _Optional[str] = ...) -> None: ...
 
+class ModelVersionPolicy(_message.Message):
+    __slots__ = ("latest", "all", "specific")
+    class Latest(_message.Message):
+        __slots__ = ("num_versions",)
+        NUM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        num_versions: int
+        def __init__(self, num_versions: _Optional[int] = ...) -> None: ...
+    class All(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    class Specific(_message.Message):
+        __slots__ = ("versions",)
+        VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        versions: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    SPECIFIC_FIELD_NUMBER: _ClassVar[int]
+    latest: ModelVersionPolicy.Latest
+    all: ModelVersionPolicy.All
+    specific: ModelVersionPolicy.Specific
+    def __init__(self, latest: _Optional[_Union[ModelVersionPolicy.Latest, _Mapping]] = ..., all: _Optional[_Union[ModelVersionPolicy.All, _Mapping]] = ..., specific: _Optional[_Union[ModelVersionPolicy.Specific, _Mapping]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching", "instance_group", "default_model_filename", "parameters")
+    __slots__ = ("name", "platform", "backend", "version_policy", "max_batch_size", "input", "output", "dynamic_batching", "instance_group", "default_model_filename", "parameters")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +402,7 @@ class ModelConfig(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +413,7 @@ class ModelConfig(_message.Message):
     name: str
     platform: str
     backend: str
+    version_policy: ModelVersionPolicy
     max_batch_size: int
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
@@ -396,7 +421,7 @@ class ModelConfig(_message.Message):
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     default_model_filename: str
     parameters: _containers.MessageMap[str, ModelParameter]
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
 
 class ModelStatisticsRequest(_message.Message):
     __slots__ = ("name", "version")
