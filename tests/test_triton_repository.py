@@ -153,7 +153,7 @@ def test_the_version_policy_chooses_the_folders_served(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no version folder matches the version policy"):
         load_model_config(folder, override)
     (folder / "10" / "model.onnx").unlink()
-    with pytest.raises(ConfigError, match="version 10 has no model.onnx"):
+    with pytest.raises(ConfigError, match=r"version 10 has no model\.onnx"):
         load_model_config(folder)
 
 
@@ -189,11 +189,11 @@ def test_config_yaml_takes_versions_and_no_batch_dim_too(tmp_path: Path) -> None
     (folder / "config.yaml").write_text(
         "max_batch_size: 0\nversion_policy: {all: true}\n"
         "inputs: [{name: x, datatype: FP32, shape: [3], pad: {axis: 0}}]\n")
-    with pytest.raises(ConfigError, match="inputs\\[0\\].pad needs a batch dim"):
+    with pytest.raises(ConfigError, match=r"inputs\[0\].pad needs a batch dim"):
         load_model_config(folder)
     (folder / "config.yaml").write_text(
         "max_batch_size: 0\nversion_policy: {all: false}\n")
-    with pytest.raises(ConfigError, match="version_policy.all must be true"):
+    with pytest.raises(ConfigError, match=r"version_policy\.all must be true"):
         load_model_config(folder)
     (folder / "config.yaml").write_text("max_batch_size: 0\nversion_policy: {latest: 1}\n")
     assert load_model_config(folder).versions == ("2",)
