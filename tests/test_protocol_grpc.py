@@ -174,7 +174,8 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
     wrong_type.set_data_from_numpy(np.ones((1, 4), np.int32))
     cases: list[tuple[Callable[[], object], str, str]] = [
         (lambda: client.infer("missing", [item]), "NOT_FOUND", "unknown model 'missing'"),
-        (lambda: client.infer("echo", [item], model_version="3"), "NOT_FOUND", "no version"),
+        (lambda: client.infer("echo", [item], model_version="3"), "NOT_FOUND",
+         "version 3 is not found"),
         (lambda: client.get_model_metadata("missing"), "NOT_FOUND", "unknown model"),
         (lambda: client.get_model_config("missing"), "NOT_FOUND", "unknown model"),
         (lambda: client.get_inference_statistics("missing"), "NOT_FOUND", "unknown model"),
@@ -184,7 +185,8 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
         (lambda: client.infer("echo", [item], outputs=[
             grpcclient.InferRequestedOutput("y", class_count=2)]), "INVALID_ARGUMENT",
          "classification"),
-        (lambda: client.load_model("echo", config="{}"), "INVALID_ARGUMENT", "not supported"),
+        (lambda: client.load_model("echo", config='{"sequence_batching": {}}'),
+         "INVALID_ARGUMENT", "sequence batching (stateful models) is not supported"),
         (lambda: client.unload_model("missing"), "NOT_FOUND", "unknown model"),
     ]
     for call, status, text in cases:

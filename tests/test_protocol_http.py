@@ -211,7 +211,8 @@ def test_errors_map_to_statuses(stack: Stack, client: Client) -> None:
     item.set_data_from_numpy(np.ones((1, 4), np.float32))
     cases: list[tuple[Callable[[], object], str, str]] = [
         (lambda: client.infer("missing", [item]), "404", "unknown model 'missing'"),
-        (lambda: client.infer("echo", [item], model_version="7"), "404", "no version '7'"),
+        (lambda: client.infer("echo", [item], model_version="7"), "404",
+         "'echo' version 7 is not found"),
         (lambda: client.get_model_config("missing"), "404", "unknown model"),
         (lambda: client.get_inference_statistics("missing"), "404", "unknown model"),
         (lambda: client.get_model_metadata("missing"), "404", "unknown model"),
