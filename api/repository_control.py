@@ -39,6 +39,7 @@ from batching.repository_scan import (
     model_folders,
     parse_record,
     record_value,
+    served_versions,
     stale_entries,
     state_rows,
     status_table,
@@ -80,7 +81,8 @@ class Repository:
         await self.sync()
         rows = state_rows(self._models, self._failed, self._unloaded)
         level = logging.WARNING if self._failed else logging.INFO  # seen by default then
-        log.log(level, "model repository %s:\n%s", self.root, status_table(rows))
+        log.log(level, "model repository %s:\n%s", self.root,
+                status_table(rows, served_versions(self._models)))
         self._loop.start()
 
     async def close(self) -> None:

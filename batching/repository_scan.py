@@ -234,14 +234,23 @@ def stale_entries(root: Path, names: Iterable[str]) -> list[str]:
     return sorted(n for n in names if model_folder(root, n) is None)
 
 
-def status_table(rows: Iterable[tuple[str, str]]) -> str:
-    """Models and their states as Triton prints them at start: Model | Version | Status."""
-    lines = [("Model", "Version", "Status"), *((m, "1", s) for m, s in rows)]
+def status_table(rows: Iterable[tuple[str, str]],
+                 versions: Mapping[str, Iterable[str]] | None = None) -> str:
+    """Models and their states as Triton prints them at start: Model | Version | Status,
+    a line per version of ``versions`` (model -> served versions; "1" when not there)."""
+    served = versions or {}
+    lines = [("Model", "Version", "Status"),
+             *((m, v, s) for m, s in rows for v in served.get(m, ("1",)))]
     widths = [max(len(line[i]) for line in lines) for i in range(3)]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     body = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
             for line in lines]
     return "\n".join([rule, body[0], rule, *body[1:], rule])
+
+
+def served_versions(models: Mapping[str, ModelConfig]) -> dict[str, tuple[str, ...]]:
+    """Each model's served versions, for :func:`status_table`."""
+    return {name: config.served_versions for name, config in models.items()}
 
 
 def state_rows(loaded: Iterable[str], failed: Mapping[str, str],

@@ -19,7 +19,8 @@ from batching.datatypes import DATATYPES
 from batching.pbtxt import Message, PbtxtError, Value, parse_pbtxt
 
 _BACKENDS = {"onnxruntime": "onnx", "pytorch": "torchscript", "python": "python"}
-_PLATFORMS = {"onnxruntime_onnx": "onnx", "pytorch_libtorch": "torchscript"}
+_PLATFORMS = {"onnxruntime_onnx": "onnx", "pytorch_libtorch": "torchscript",
+              "pytorch_torch_export": "torch_export"}
 _REFUSED = {
     "sequence_batching": "sequence batching (stateful models) is not supported",
     "ensemble_scheduling": "ensemble models are not supported",
@@ -223,6 +224,8 @@ def _backend(top: _Fields) -> str | None:
                             f"backend {backend!r} is not supported (conveyor serves "
                             f"{', '.join(sorted(_BACKENDS))})")
         chosen.append(_BACKENDS[backend])
+    if chosen == ["torch_export", "torchscript"]:  # conveyor's own /config: backend "pytorch"
+        chosen = ["torch_export"]
     if len(set(chosen)) > 1:
         raise top.error(top.message.line, f"platform {platform!r} and backend {backend!r} "
                                           "disagree")

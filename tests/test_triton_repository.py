@@ -16,7 +16,7 @@ from batching.envelope import VERSION, WHOLE, Request, Tensor
 from batching.errors import InvalidInput, ModelFailure
 from batching.former import BatchFormer, Entry
 from batching.policy import FixedWindow
-from batching.repository_scan import load_model_config, scan_repository
+from batching.repository_scan import load_model_config, scan_repository, status_table
 from batching.signature import check_inputs
 from batching.triton_config import triton_config
 from batching.triton_repository import json_config, pbtxt_config
@@ -118,6 +118,21 @@ def test_max_batch_size_0_keeps_dims_as_they_are() -> None:
 def test_what_conveyor_does_not_serve_is_refused_by_name(text: str, expected: str) -> None:
     message = pbtxt_refused(text)
     assert message.startswith("m: ") and expected in message, message
+
+
+def test_a_torch_export_models_config_round_trips() -> None:
+    raw = {"backend": "torch_export", "inputs": [{"name": "x", "datatype": "FP32",
+                                                 "shape": [-1, 2]}],
+           "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}]}
+    config = ModelConfig.from_dict("m", raw)
+    again = ModelConfig.from_dict("m", json_config("m", json.dumps(triton_config(config))))
+    assert (again.backend, again.inputs) == ("torch_export", config.inputs)
+
+
+def test_the_start_up_table_has_a_line_per_served_version() -> None:
+    table = status_table([("scale", "LOADED"), ("echo", "LOADED")], {"scale": ("2", "3")})
+    assert "| scale | 2       | LOADED |" in table and "| scale | 3       | LOADED |" in table
+    assert "| echo  | 1       | LOADED |" in table
 
 
 def test_a_load_config_in_triton_json_round_trips_through_config_endpoint() -> None:

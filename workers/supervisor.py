@@ -39,6 +39,7 @@ from batching.repository_scan import (
     load_model_config,
     parse_record,
     scan_repository,
+    served_versions,
     stale_entries,
     state_rows,
     status_table,
@@ -106,8 +107,9 @@ class Supervisor:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         scan = scan_repository(settings.model_repository, settings.model_filter() or None)
+        table = status_table(state_rows(scan.models, scan.failed), served_versions(scan.models))
         log.log(logging.WARNING if scan.failed else logging.INFO, "model repository %s:\n%s",
-                settings.model_repository, status_table(state_rows(scan.models, scan.failed)))
+                settings.model_repository, table)
         self.models: dict[str, ModelConfig] = scan.models
         self.slots: list[Slot] = []
         self._applied: dict[str, bytes | str] = {}
