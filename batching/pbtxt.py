@@ -2,14 +2,16 @@
 
 It reads the syntax only (fields, nested messages, lists, quoted strings, numbers, enum
 names, ``#`` comments) into a tree of :class:`Message` and :class:`Value`, each with its
-line; what the fields mean is :mod:`batching.triton_repository`'s job. Anything that is
-not text format is a :class:`PbtxtError` naming the line.
+line; :func:`message_from_json` builds the same tree from protobuf's JSON form. What the
+fields mean is :mod:`batching.triton_repository`'s job. Anything that is not text format
+is a :class:`PbtxtError` naming the line.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _TOKEN = re.compile(r"""
     (?P<space>[ \t\r\f\v]+|\#[^\n]*)
@@ -176,3 +178,34 @@ def _unescape(text: str, line: int) -> str:
         out.append(_ESCAPES[escaped])
         at += 2
     return "".join(out)
+
+
+def message_from_json(document: dict[str, Any], maps: tuple[str, ...] = ()) -> Message:
+    """The tree of a message written in protobuf's JSON form (lines are 0). ``maps`` names
+    the map fields: a JSON object of key -> value there, in text format a list of
+    ``{key, value}`` entries."""
+    message = Message(0)
+    for name, item in document.items():
+        if name in maps and isinstance(item, dict):
+            values = [_entry(str(key), value, maps) for key, value in item.items()]
+        else:
+            items = item if isinstance(item, list) else [item]
+            values = [_value(element, maps) for element in items if element is not None]
+        if values:
+            message.fields[name] = values
+    return message
+
+
+def _entry(key: str, value: Any, maps: tuple[str, ...]) -> Value:
+    entry = Message(0, {"key": [Value("string", key, 0)], "value": [_value(value, maps)]})
+    return Value("message", "", 0, entry)
+
+
+def _value(item: Any, maps: tuple[str, ...]) -> Value:
+    if isinstance(item, dict):
+        return Value("message", "", 0, message_from_json(item, maps))
+    if isinstance(item, bool):
+        return Value("ident", "true" if item else "false", 0)
+    if isinstance(item, int | float):
+        return Value("number", repr(item), 0)
+    return Value("string", str(item), 0)

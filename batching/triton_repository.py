@@ -16,7 +16,7 @@ from typing import Any
 
 from batching.config_schema import ConfigError
 from batching.datatypes import DATATYPES
-from batching.pbtxt import Message, PbtxtError, Value, parse_pbtxt
+from batching.pbtxt import Message, PbtxtError, Value, message_from_json, parse_pbtxt
 
 _BACKENDS = {"onnxruntime": "onnx", "pytorch": "torchscript", "python": "python"}
 _PLATFORMS = {"onnxruntime_onnx": "onnx", "pytorch_libtorch": "torchscript",
@@ -29,6 +29,8 @@ _REFUSED = {
 }
 _TIMEOUT_US = "default_timeout_microseconds"
 PBTXT = "config.pbtxt"
+_MAPS = ("parameters", "priority_queue_policy")
+"""ModelConfig's map fields (as Triton's JSON writes them: an object of key -> value)."""
 
 
 class _Fields:
@@ -140,39 +142,11 @@ def json_config(model: str, text: str) -> dict[str, Any]:
         raise ConfigError(f"{model}: the load's config is not JSON") from None
     if not isinstance(document, dict):
         raise ConfigError(f"{model}: the load's config must be a JSON object")
-    return _convert(_Fields(model, _message(document), "", "the load's config"))
-
-
-_MAPS = ("parameters", "priority_queue_policy")
-"""Map fields: a JSON object of key -> value, in text format a list of {key, value}."""
-
-
-def _message(document: dict[str, Any]) -> Message:
-    message = Message(0)
-    for name, item in document.items():
-        if name in _MAPS and isinstance(item, dict):
-            values = [_entry(str(key), value) for key, value in item.items()]
-        else:
-            items = item if isinstance(item, list) else [item]
-            values = [_value(element) for element in items if element is not None]
-        if values:
-            message.fields[name] = values
-    return message
-
-
-def _entry(key: str, value: Any) -> Value:
-    entry = Message(0, {"key": [Value("string", key, 0)], "value": [_value(value)]})
-    return Value("message", "", 0, entry)
-
-
-def _value(item: Any) -> Value:
-    if isinstance(item, dict):
-        return Value("message", "", 0, _message(item))
-    if isinstance(item, bool):
-        return Value("ident", "true" if item else "false", 0)
-    if isinstance(item, int | float):
-        return Value("number", repr(item), 0)
-    return Value("string", str(item), 0)
+    try:
+        root = message_from_json(document, _MAPS)
+    except RecursionError:
+        raise ConfigError(f"{model}: the load's config nests too deeply") from None
+    return _convert(_Fields(model, root, "", "the load's config"))
 
 
 def _convert(top: _Fields) -> dict[str, Any]:
