@@ -36,6 +36,9 @@ class TensorSpec:
     """Inputs: a variable axis padded to the longest in a batch, so ragged requests share
     one. Outputs: the axis that follows the padded input axis, cut back per request."""
     pad_value: float = 0
+    reshape: tuple[int, ...] | None = None
+    """The shape (less the batch dim) the model itself takes or gives (Triton's
+    ``reshape``), when not ``shape``'s."""
 
     def describe(self) -> str:
         return f"{self.name} {self.datatype} {list(self.shape)}"
@@ -188,4 +191,5 @@ def _policy(schema: ConfigSchema) -> VersionPolicy:
 def _tensor(spec: TensorSchema) -> TensorSpec:
     pad = spec.pad
     return TensorSpec(spec.name, spec.datatype, tuple(spec.shape),
-                      pad.axis if pad else None, pad.value if pad else 0)
+                      pad.axis if pad else None, pad.value if pad else 0,
+                      None if spec.reshape is None else tuple(spec.reshape))

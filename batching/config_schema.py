@@ -77,6 +77,8 @@ class TensorSchema(_Section):
     shape: Annotated[list[Annotated[int, Field(le=INT64_MAX), AfterValidator(_dim)]],
                      Field(min_length=1)]
     pad: PadSchema | None = None
+    reshape: list[Annotated[int, Field(ge=1, le=INT64_MAX)]] | None = None
+    """The shape (less the batch dim) the model takes or gives, when not ``shape``'s."""
 
 
 class BatchingSchema(_Section):
@@ -368,6 +370,8 @@ def _tensor_checks(key: str, tensors: list[TensorSchema], batched: bool) -> list
         if tensor.name in seen:
             problems.append(f"{where}.name {tensor.name!r} is also {key}[{seen[tensor.name]}]'s")
         seen.setdefault(tensor.name, i)
+        if tensor.reshape is not None:
+            problems += _reshape_checks(where, tensor, batched)
         pad = tensor.pad
         if pad is None:
             continue
@@ -381,6 +385,16 @@ def _tensor_checks(key: str, tensors: list[TensorSchema], batched: bool) -> list
         if key == "inputs" and not _fits(tensor.datatype, pad.value):
             problems.append(f"{where}.pad.value {pad.value:g} does not fit {tensor.datatype}")
     return problems
+
+
+def _reshape_checks(where: str, tensor: TensorSchema, batched: bool) -> list[str]:
+    dims = tensor.shape[1:] if batched else tensor.shape
+    if -1 in dims or tensor.pad is not None:
+        return [f"{where}.reshape needs fixed dims (no -1, no pad), got {tensor.shape}"]
+    if math.prod(dims) != math.prod(tensor.reshape or []):
+        return [f"{where}.reshape {tensor.reshape} does not hold the {math.prod(dims)} "
+                f"elements of {dims}"]
+    return []
 
 
 def _fits(datatype: str, value: float) -> bool:

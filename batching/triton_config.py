@@ -43,9 +43,9 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
         "max_batch_size": config.max_batch_size,
         "version_policy": _version_policy(config),
         "input": [{"name": t.name, "data_type": data_type(t.datatype), "format": "FORMAT_NONE",
-                   "dims": _dims(config, t)} for t in config.inputs],
+                   "dims": _dims(config, t), **_reshape(t)} for t in config.inputs],
         "output": [{"name": t.name, "data_type": data_type(t.datatype),
-                    "dims": _dims(config, t)} for t in config.outputs],
+                    "dims": _dims(config, t), **_reshape(t)} for t in config.outputs],
         "dynamic_batching": {
             "preferred_batch_size": list(config.batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": config.batching.max_queue_delay_us,
@@ -68,6 +68,10 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
 
 def _dims(config: ModelConfig, spec: TensorSpec) -> list[int]:
     return list(spec.shape[1:] if config.batched else spec.shape)
+
+
+def _reshape(spec: TensorSpec) -> dict[str, Any]:
+    return {} if spec.reshape is None else {"reshape": {"shape": list(spec.reshape)}}
 
 
 def _version_policy(config: ModelConfig) -> dict[str, Any]:

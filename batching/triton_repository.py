@@ -223,18 +223,19 @@ def _tensor(fields: _Fields, batched: bool) -> dict[str, Any]:
         raise fields.error(fields.message.line, "dims must not be empty when "
                                                 "max_batch_size is 0")
     reshape = fields.sub("reshape")
+    target = None
     if reshape is not None:
         target = reshape.integers("shape")
         reshape.done()
-        if target != dims:
-            raise fields.error(reshape.message.line, "reshape to another shape than dims is "
-                                                     "not supported")
     fields.enum("format", ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"))
     for flag in ("optional", "is_shape_tensor", "allow_ragged_batch", "is_non_linear_format_io"):
         if fields.flag(flag):
             raise fields.error(fields.message.line, f"{flag}: true is not supported")
     fields.done()
-    return {"name": name, "datatype": datatype, "shape": ([-1] if batched else []) + dims}
+    tensor = {"name": name, "datatype": datatype, "shape": ([-1] if batched else []) + dims}
+    if target is not None and target != dims:
+        tensor["reshape"] = target
+    return tensor
 
 
 def _transaction_policy(top: _Fields) -> None:

@@ -72,7 +72,8 @@ def test_the_index_lists_each_served_version_and_why_a_model_is_unavailable(
         stack: Stack) -> None:
     entries = {(e["name"], e["version"]): e for e in index(stack)}
     ready = {key for key, e in entries.items() if e["state"] == "READY"}
-    assert ready == {("scale", "2"), ("scale", "3"), ("reverse", "1"), ("fixed", "1")}
+    assert ready == {("scale", "2"), ("scale", "3"), ("reverse", "1"), ("scalar", "1"),
+                     ("fixed", "1")}
     assert "sequence batching (stateful models) is not supported" in entries[
         ("stateful", "1")]["reason"]
     assert "config.pbtxt line 4" in entries[("stateful", "1")]["reason"]
@@ -146,6 +147,16 @@ def test_a_model_without_a_batch_dim_runs_each_request_with_its_shapes(client: C
     with pytest.raises(InferenceServerException) as caught:
         infer(client, "reverse", given.reshape(1, 3))
     assert "rank" in caught.value.message()
+
+
+def test_reshape_hands_the_model_its_own_shape(client: Client) -> None:
+    given = np.array([[1.0], [2.0], [3.0]], np.float32)
+    np.testing.assert_array_equal(infer(client, "scalar", given).as_numpy("OUTPUT0"),
+                                  given * 10)
+    config = as_dict(client, client.get_model_config("scalar"))
+    config = config.get("config", config)
+    assert config["input"][0]["reshape"] in ({"shape": []}, {})  # JSON drops an empty list
+    assert [int(d) for d in config["input"][0]["dims"]] == [1]
 
 
 def test_a_graph_with_a_fixed_first_dim_is_served_without_batching(stack: Stack) -> None:

@@ -75,6 +75,27 @@ def test_the_rest_of_the_fields_conveyor_understands() -> None:
     assert config.parameters == {"mode": "fast"}
 
 
+def test_reshape_gives_the_model_its_own_shape(tmp_path: Path) -> None:
+    (tmp_path / "model.py").write_text(
+        "import numpy as np\n"
+        "class Model:\n"
+        "    def __init__(self, config, device):\n"
+        "        pass\n"
+        "    def predict(self, inputs):\n"
+        "        assert inputs['x'].shape == (2,), inputs['x'].shape\n"
+        "        return {'y': np.repeat(inputs['x'], 4).reshape(2, 2, 2)}\n")
+    config = ModelConfig.from_dict("m", pbtxt_config("m", b"""
+        max_batch_size: 4
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape { shape: [ ] } } ]
+        output [ { name: "y" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 2, 2 ] } } ]
+    """), "python")
+    assert config.inputs == (TensorSpec("x", "FP32", (-1, 1), reshape=()),)
+    assert triton_config(config)["output"][0]["reshape"] == {"shape": [2, 2]}
+    model = load_model(config, tmp_path, "cpu")
+    outputs = model.predict({"x": np.array([[1], [2]], np.float32)})
+    np.testing.assert_array_equal(outputs["y"], [[1] * 4, [2] * 4])
+
+
 def test_max_batch_size_0_keeps_dims_as_they_are() -> None:
     config = from_pbtxt('input [ { name: "x" data_type: TYPE_INT32 dims: [ 2, 3 ] } ]')
     assert config.max_batch_size == 0 and not config.batched and config.batch_rows == 1
@@ -93,8 +114,10 @@ def test_max_batch_size_0_keeps_dims_as_they_are() -> None:
     ('backend: "tensorflow"', "backend 'tensorflow' is not supported"),
     ('platform: "onnxruntime_onnx" backend: "pytorch"', "disagree"),
     ("\n\nmodel_warmup [ { name: \"w\" } ]", "line 3: model_warmup is not supported by conveyor"),
-    ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 2, 2 ] } } ]',
-     "input: 'x': reshape to another shape than dims is not supported"),
+    ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 3 ] } } ]',
+     "inputs[0].reshape [3] does not hold the 4 elements of [4]"),
+    ('max_batch_size: 2 output [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] '
+     'reshape { shape: [ 2 ] } } ]', "outputs[0].reshape needs fixed dims (no -1, no pad)"),
     ('input [ { name: "x" data_type: TYPE_BF16 dims: [ 4 ] } ]', "data_type 'TYPE_BF16'"),
     ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]',
      "optional: true is not supported"),

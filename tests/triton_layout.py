@@ -5,6 +5,8 @@ folders, ONNX graphs exported from torch, and a Python-backend ``TritonPythonMod
   ``INPUT0`` by ``v``), ``version_policy: latest 2`` (2 and 3 are served).
 - ``reverse``: Python backend, ``max_batch_size: 0``, ``INPUT0`` FP32 [3] -> ``OUTPUT0`` its
   elements reversed, ``SIZE`` INT64 [1] the number of elements it was given.
+- ``scalar``: Python backend, ``max_batch_size: 4``, ``INPUT0`` FP32 [1] reshaped to one
+  scalar per row for the model, which returns ``OUTPUT0`` = 10 x it, reshaped back to [1].
 - ``fixed``: an ONNX graph whose input is [1, 4] (a fixed first dim), no configuration.
 - ``stateful``: a ``config.pbtxt`` asking for sequence batching (not supported).
 - ``unsigned``: a TorchScript model with no configuration (no signature to serve).
@@ -75,6 +77,28 @@ class TritonPythonModel:
         return responses
 '''
 
+SCALAR_PBTXT = """\
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] reshape: { shape: [ ] } } ]
+"""
+
+SCALAR_MODEL = '''\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            given = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if given.ndim != 1:
+                raise pb_utils.TritonModelException(f"got shape {given.shape}")
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", given * 10)]))
+        return responses
+'''
+
 STATEFUL_PBTXT = """\
 name: "stateful"
 platform: "onnxruntime_onnx"
@@ -111,6 +135,11 @@ def build_triton_repository(root: Path) -> Path:
     (reverse / "1").mkdir(parents=True)
     (reverse / "config.pbtxt").write_text(REVERSE_PBTXT)
     (reverse / "1" / "model.py").write_text(REVERSE_MODEL)
+
+    scalar = root / "scalar"
+    (scalar / "1").mkdir(parents=True)
+    (scalar / "config.pbtxt").write_text(SCALAR_PBTXT)
+    (scalar / "1" / "model.py").write_text(SCALAR_MODEL)
 
     export_onnx(Scale(1.0), root / "fixed" / "1" / "model.onnx", dynamic_batch=False)
 

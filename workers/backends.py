@@ -47,7 +47,10 @@ class LoadedModel(Protocol):
 def load_model(config: ModelConfig, folder: Path, device: str) -> LoadedModel:
     """Load the artifact of ``config.backend`` from ``folder`` onto ``device`` ("cpu", "cuda:N")."""
     loader = _LOADERS[config.backend]
-    return loader(config, folder / config.artifact, device)
+    model = loader(config, folder / config.artifact, device)
+    if any(spec.reshape is not None for spec in (*config.inputs, *config.outputs)):
+        return _Reshaped(config, model)
+    return model
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -113,6 +116,28 @@ def _checked(config: ModelConfig, outputs: Arrays, inputs: Arrays) -> Arrays:
             raise ModelFailure(f"{config.name}: output {name} has shape {list(array.shape)}, "
                                f"but axis 0 must hold the batch's {rows} rows")
     return outputs
+
+
+class _Reshaped:
+    """Triton's ``reshape``: inputs reach the model in the shape it takes, and its outputs
+    leave in the declared shape (each row alike, the batch dim kept)."""
+
+    def __init__(self, config: ModelConfig, model: LoadedModel) -> None:
+        self._model = model
+        self._batched = config.batched
+        self._inputs = {t.name: t.reshape for t in config.inputs if t.reshape is not None}
+        self._outputs = {t.name: t.shape[1:] if config.batched else t.shape
+                         for t in config.outputs if t.reshape is not None}
+
+    def _shaped(self, array: npt.NDArray[Any], dims: tuple[int, ...]) -> npt.NDArray[Any]:
+        return array.reshape((array.shape[0], *dims) if self._batched else dims)
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        given = {name: self._shaped(array, self._inputs[name]) if name in self._inputs
+                 else array for name, array in inputs.items()}
+        outputs = self._model.predict(given)
+        return {name: self._shaped(array, self._outputs[name]) if name in self._outputs
+                else array for name, array in outputs.items()}
 
 
 class _TorchModel:
