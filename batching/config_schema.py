@@ -1,4 +1,4 @@
-"""Validation of a ``config.yaml``: strict pydantic models of its keys, then the checks that
+"""Validation of a ``config.yaml`` (read by :mod:`batching.config_yaml`): strict pydantic models of its keys, then the checks that
 span keys. Every failure is one :class:`ConfigError` naming the model folder, the key path
 (``queue.priority_levels``, ``inputs[0].shape``) and the reason; nothing is coerced, so a
 quoted number or a boolean where an integer belongs is refused."""
@@ -9,10 +9,8 @@ import difflib
 import math
 import re
 import reprlib
-from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
@@ -170,64 +168,6 @@ def parse_config(model: str, raw: Any, artifact: str | None) -> tuple[ConfigSche
     return schema, backend
 
 
-def parse_yaml(model: str, text: bytes) -> dict[str, Any]:
-    """The mapping a ``config.yaml`` holds (empty for an empty file)."""
-    try:
-        node, document = _load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        reason = ", ".join(text for text in (exc.context, exc.problem) if text)
-        raise ConfigError(f"{model}: config.yaml{where}: {reason}") from None
-    except yaml.reader.ReaderError as exc:
-        line = text[:exc.position].count(b"\n") + 1
-        raise ConfigError(f"{model}: config.yaml line {line}: not UTF-8 text or a special "
-                          f"character ({exc.reason})") from None
-    except RecursionError:
-        raise ConfigError(f"{model}: config.yaml nests too deeply") from None
-    if node is None or document is None:
-        return {}
-    twice = _duplicate_key(node)
-    if twice is not None:
-        raise ConfigError(f"{model}: config.yaml line {twice.start_mark.line + 1}: duplicate "
-                          f"key {_short(twice.value)}")
-    if not isinstance(document, dict):
-        raise ConfigError(f"{model}: config.yaml line {node.start_mark.line + 1}: must be a "
-                          f"mapping of keys, got {_kind(document)}")
-    return document
-
-
-def _load(text: bytes) -> tuple[yaml.Node | None, Any]:
-    """The document's root node (for its line) and the document (None when empty)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        return node, None if node is None else loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def _duplicate_key(root: yaml.Node) -> yaml.Node | None:
-    """The first key that repeats within one mapping (YAML forbids it; PyYAML keeps the last)."""
-    stack, visited = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            keys: set[tuple[str, str]] = set()
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
-                    if (key.tag, key.value) in keys:
-                        return key
-                    keys.add((key.tag, key.value))
-                stack += [key, value]
-        elif isinstance(node, yaml.SequenceNode):
-            stack += node.value
-    return None
-
-
 def _error(model: str, problems: list[str]) -> ConfigError:
     shown = problems[:_MAX_ISSUES]
     more = len(problems) - len(shown)
@@ -246,11 +186,11 @@ def _describe(error: ErrorDetails) -> str:
     if kind in ("extra_forbidden", "invalid_key"):
         return _unknown_key(loc)
     if loc[-1:] == ("[key]",):
-        return f"{_path(loc[:-2])} has a key {_short(loc[-2])} that is not a string"
+        return f"{_path(loc[:-2])} has a key {short_repr(loc[-2])} that is not a string"
     where = _path(loc) or "config.yaml"
     if kind == "missing":
         return f"{where} is required"
-    return f"{where} {_reason(error)}, got {_short(value)}{_hint(kind, value)}"
+    return f"{where} {_reason(error)}, got {short_repr(value)}{_hint(kind, value)}"
 
 
 def _unknown_key(loc: tuple[int | str, ...]) -> str:
@@ -260,8 +200,8 @@ def _unknown_key(loc: tuple[int | str, ...]) -> str:
     known = sorted(section.model_fields) if section else []
     close = difflib.get_close_matches(str(key), known, n=1)
     if close:
-        return f"unknown key {_short(key)}{where} (did you mean {close[0]!r}?)"
-    return f"unknown key {_short(key)}{where} (known keys: {', '.join(known)})"
+        return f"unknown key {short_repr(key)}{where} (did you mean {close[0]!r}?)"
+    return f"unknown key {short_repr(key)}{where} (known keys: {', '.join(known)})"
 
 
 def _reason(error: ErrorDetails) -> str:
@@ -305,11 +245,13 @@ _REPR.maxlist = _REPR.maxdict = 4
 _REPR.maxlevel = 2
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
+    """A value as an error message shows it: at most 60 characters, 4 items, 2 levels."""
     return _REPR.repr(value)
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """What a YAML value is, in words ("a list", "an integer"...)."""
     return {list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number"}.get(type(value), type(value).__name__)
 
@@ -346,7 +288,7 @@ def _thread_checks(schema: ConfigSchema, backend: str) -> list[str]:
         return problems
     threads = (schema.parameters or {})["threads"]
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        problems.append(f"parameters.threads must be an integer >= 1, got {_short(threads)}")
+        problems.append(f"parameters.threads must be an integer >= 1, got {short_repr(threads)}")
     elif cpu is not None and cpu.intra_op is not None:
         problems.append("parameters.threads and cpu_threads.intra_op both set the intra-op "
                         "threads: keep cpu_threads.intra_op")
@@ -407,12 +349,3 @@ def _fits(datatype: str, value: float) -> bool:
         low = -(2**bits) if dtype.kind == "i" else 0
         return math.isfinite(value) and value == int(value) and low <= value < 2**bits
     return True
-
-
-def read_config_yaml(model: str, path: Path) -> dict[str, Any]:
-    """The mapping in the ``config.yaml`` at ``path`` of model folder ``model``."""
-    try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{model}: config.yaml cannot be read ({exc.strerror})") from None
-    return parse_yaml(model, text)

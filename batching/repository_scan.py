@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from batching.config import BACKENDS, ConfigError, ModelConfig, TensorSpec
-from batching.config_schema import read_config_yaml
+from batching.config_yaml import read_config_yaml
 from batching.names import model_folder
 from batching.triton_repository import pbtxt_config
 
