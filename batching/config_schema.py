@@ -1,7 +1,8 @@
-"""Validation of a ``config.yaml`` (read by :mod:`batching.config_yaml`): strict pydantic models of its keys, then the checks that
-span keys. Every failure is one :class:`ConfigError` naming the model folder, the key path
-(``queue.priority_levels``, ``inputs[0].shape``) and the reason; nothing is coerced, so a
-quoted number or a boolean where an integer belongs is refused."""
+"""Validation of a ``config.yaml`` (read by :mod:`batching.config_yaml`): strict pydantic
+models of its keys, then the checks that span keys. Every failure is one
+:class:`ConfigError` naming the model folder, the key path (``queue.priority_levels``,
+``inputs[0].shape``) and the reason; nothing is coerced, so a quoted number or a boolean
+where an integer belongs is refused."""
 
 from __future__ import annotations
 
