@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import struct
 import zlib
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -71,6 +72,17 @@ def test_raw_input_deduces_rows_or_one_free_dim() -> None:
         raw_input(b"\0" * 5, single("FP32", [-1, 4]))
     with pytest.raises(InvalidInput, match="exactly one declared input"):
         raw_input(b"", CONFIG)
+
+
+def test_raw_input_of_a_model_without_a_batch_dim_is_exactly_its_shape() -> None:
+    config = replace(single("FP32", [3, 2]), max_batch_size=0)
+    whole = raw_input(np.zeros((3, 2), np.float32).tobytes(), config)
+    assert whole.shape == (3, 2)
+    with pytest.raises(InvalidInput, match="cannot be deduced"):
+        raw_input(np.zeros((2, 3, 2), np.float32).tobytes(), config)
+    free = raw_input(np.zeros(8, np.float32).tobytes(),
+                     replace(single("FP32", [-1, 2]), max_batch_size=0))
+    assert free.shape == (4, 2)
 
 
 def test_response_compression() -> None:
