@@ -5,6 +5,7 @@ of a repository load, and a TritonPythonModel behind conveyor's predict."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,28 @@ def test_an_onnx_graph_with_a_fixed_first_dim_is_not_batched(tmp_path: Path) -> 
     (tmp_path / "fixed" / "config.yaml").write_text("max_batch_size: 16\n")
     with pytest.raises(ConfigError, match="INPUT0 FP32 \\[1, 4\\] has no variable batch dim"):
         load_model_config(tmp_path / "fixed")
+
+
+def test_a_torchscript_model_in_a_version_folder_serves_from_config_pbtxt(
+        tmp_path: Path) -> None:
+    import torch
+
+    folder = tmp_path / "ts"
+    (folder / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        torch.jit.script(Scale(2.0)).save(str(folder / "1" / "model.pt"))  # type: ignore[no-untyped-call]
+    (folder / "config.pbtxt").write_text("""
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+        output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+    """)
+    config = load_model_config(folder)
+    assert (config.backend, config.versions) == ("torchscript", ("1",))
+    model = load_model(config, folder / "1", "cpu")
+    outputs = model.predict({"INPUT__0": np.ones((2, 4), np.float32)})
+    np.testing.assert_array_equal(outputs["OUTPUT__0"], np.full((2, 4), 2.0))
 
 
 def test_a_torchscript_model_must_declare_its_signature(tmp_path: Path) -> None:
