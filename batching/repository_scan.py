@@ -66,7 +66,16 @@ def load_model_config(folder: Path, override: dict[str, Any] | None = None) -> M
     found = version_folders(folder)
     probe = next((folder / str(v) for v in reversed(found)
                   if artifact_backend(folder / str(v))), folder)
-    config = ModelConfig.from_dict(folder.name, raw, artifact_backend(probe))
+    try:
+        config = ModelConfig.from_dict(folder.name, raw, artifact_backend(probe))
+    except ConfigError as exc:
+        source = ("the load's config" if override is not None
+                  else "config.pbtxt" if (folder / "config.pbtxt").exists() else "")
+        if not source:
+            raise
+        name = folder.name
+        raise ConfigError(str(exc).replace(f"{name}: ", f"{name}: {source}, read as "
+                                                        "config.yaml keys: ", 1)) from None
     if found:
         config = replace(config, versions=_served(config, folder, found))
     if not (config.inputs and config.outputs):

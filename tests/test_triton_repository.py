@@ -196,6 +196,13 @@ def test_the_version_policy_chooses_the_folders_served(tmp_path: Path) -> None:
         load_model_config(folder)
 
 
+def test_a_value_the_schema_refuses_says_it_came_from_config_pbtxt(tmp_path: Path) -> None:
+    scale_folder(tmp_path, (1,), SCALE_PBTXT.replace("priority_levels: 2", "priority_levels: 99"))
+    scan = scan_repository(tmp_path)
+    assert scan.failed["scale"].startswith(
+        "scale: config.pbtxt, read as config.yaml keys: queue.priority_levels must be <= 64")
+
+
 def test_config_yaml_and_config_pbtxt_together_are_refused(tmp_path: Path) -> None:
     folder = scale_folder(tmp_path, (1,))
     (folder / "config.yaml").write_text("max_batch_size: 4\n")
