@@ -20,6 +20,7 @@ from batching.errors import ConveyorError, PermissionDenied
 HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 CONTROL_PATH = re.compile(r"^/v2/repository/models/[^/]+/(?:load|unload)$")
+SHARED_MEMORY_PATHS = ("/v2/systemsharedmemory/", "/v2/cudasharedmemory/")
 
 
 def http_need(path: str) -> Need:
@@ -33,7 +34,7 @@ def http_need(path: str) -> Need:
     if CONTROL_PATH.match(path):
         return Need.ADMIN
     if (path in ("/v2", "/v2/repository/index") or path.startswith("/v2/models/")
-            or path in DOCS_PATHS):
+            or path.startswith(SHARED_MEMORY_PATHS) or path in DOCS_PATHS):
         return Need.INFER
     return Need.ANY
 

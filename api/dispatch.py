@@ -172,8 +172,8 @@ class Dispatcher:
             fut.set_exception(Unavailable(f"Redis is unreachable: {reply}"))
         elif reply[0] < 0:
             fut.set_exception(Overloaded(
-                f"queue full: {-reply[0] - 1} rows waiting, limit {admission.max_rows} "
-                "(max_queue_rows)"))
+                f"Exceeds maximum queue size: {-reply[0] - 1} rows waiting, limit "
+                f"{admission.max_rows} (max_queue_rows)"))
 
     def _mark_down(self, exc: BaseException) -> None:
         if self.redis_ok:

@@ -30,9 +30,10 @@ from api.proto import inference_pb2_grpc as pb_grpc
 from api.repository_control import Repository
 from api.routes import load_config, metadata, server_metadata
 from api.service import InferenceService
+from api.shared_memory import CUDA_UNSUPPORTED, DISABLED, SharedMemory
 from api.stats import statistics
 from batching.config import ModelConfig
-from batching.errors import ConveyorError
+from batching.errors import ConveyorError, Unsupported
 from batching.settings import Settings
 from batching.triton_config import triton_config
 
@@ -74,9 +75,11 @@ def _mapped(method: Handler[Reply]) -> Handler[Reply]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, service: InferenceService, repository: Repository) -> None:
+    def __init__(self, service: InferenceService, repository: Repository,
+                 server_name: str = "conveyor") -> None:
         self.service = service
         self.repository = repository
+        self.server_name = server_name
 
     async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -90,7 +93,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=known and self.service.watch.model_ready(request.name))
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(**server_metadata())
+        return pb.ServerMetadataResponse(**server_metadata(self.server_name))
 
     @_mapped
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
@@ -178,6 +181,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await self.repository.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    @property
+    def _shm(self) -> SharedMemory:
+        if self.service.shm is None:  # a service built without it (tests): as if off
+            raise Unsupported(DISABLED)
+        return self.service.shm
+
+    @_mapped
+    async def SystemSharedMemoryStatus(self, request: Any,
+                                       context: Any) -> pb.SystemSharedMemoryStatusResponse:
+        regions = await self._shm.status(request.name)
+        return from_json({"regions": {r["name"]: r for r in regions}},
+                         pb.SystemSharedMemoryStatusResponse())
+
+    @_mapped
+    async def SystemSharedMemoryRegister(self, request: Any,
+                                         context: Any) -> pb.SystemSharedMemoryRegisterResponse:
+        await self._shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_mapped
+    async def SystemSharedMemoryUnregister(
+            self, request: Any, context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self._shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_mapped
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
+
+    @_mapped
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
+
+    @_mapped
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        raise Unsupported(CUDA_UNSUPPORTED)
+
 
 class GrpcEndpoint:
     """The gRPC server and the task that keeps its health status in step with readiness."""
@@ -186,7 +226,7 @@ class GrpcEndpoint:
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self._service = service
         self._interceptors = list(interceptors)
-        self._servicer = InferenceServicer(service, repository)
+        self._servicer = InferenceServicer(service, repository, settings.server_name)
         self._settings = settings
         self._loop = Periodic("conveyor-grpc-health", settings.heartbeat_interval_s,
                               self._update_health)

@@ -6,6 +6,12 @@ answers 408 (or closes, once a response has started) when a request body does no
 complete within ``body_timeout_s``, answers 431 to request headers larger than
 ``max_header_bytes``, closes idle keep-alive connections after ``keepalive_s`` and closes
 a new connection at once while ``max_connections`` are open. Used by :mod:`api.serve`.
+
+Framing: a request with both ``Transfer-Encoding: chunked`` and ``Content-Length`` is
+read as chunked, as RFC 9112 section 6.3 says (llhttp refuses it unless told to be
+lenient), its ``Content-Length`` is dropped before the application sees the headers,
+and the connection is closed after the response (the RFC asks that of a server taking
+such a request). Errors the parser answers by itself have ``{"error": ...}`` bodies.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from batching.errors import ConveyorError, HeadersTooLarge, RequestTimeout
+from api.coalesce import CoalescingTransport
+from batching.errors import ConveyorError, HeadersTooLarge, InvalidInput, RequestTimeout
 from batching.settings import Settings
 
 log = logging.getLogger("conveyor.api")
@@ -65,6 +72,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True,
+                                             lenient_chunked_length=True)
+        self._chunked = False
+        self._sized = False
+        """The request has Transfer-Encoding, Content-Length (both: read as chunked)."""
         self.timeout_keep_alive = self.limits.keepalive_s  # type: ignore[assignment]
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -81,6 +93,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._warn_full()
             transport.close()
             return
+        self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -91,6 +104,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Parser callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._header_bytes = 0
+        self._chunked = self._sized = False
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -100,11 +114,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_header_bytes(len(name) + len(value) + 4)
         super().on_header(name, value)
+        lowered = self.headers[-1][0]
+        if lowered == b"transfer-encoding":
+            self._chunked = True
+        elif lowered == b"content-length":
+            self._sized = True
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
         self._headed += 1
+        framed_twice = self._chunked and self._sized
+        if framed_twice:  # the body is chunked: its Content-Length means nothing
+            self.headers[:] = [(n, v) for n, v in self.headers if n != b"content-length"]
         super().on_headers_complete()
+        if framed_twice and self.cycle is not None:
+            self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()
@@ -115,7 +139,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._header_bytes > self.limits.max_header_bytes:
             self._reject(self._headers_too_large())
         else:
-            super().send_400_response(msg)
+            self._reject(InvalidInput(msg))
 
     # Request life ---------------------------------------------------------------------
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:

@@ -80,6 +80,7 @@ class InferRoute:
 
         try:
             parsed, reply = await self.service.infer(model, parse, started, protocol, version)
+            content, json_length = render(model, parsed, reply.outputs)
         except ConveyorError as exc:
             extra = []
             if isinstance(exc, Overloaded):
@@ -92,7 +93,6 @@ class InferRoute:
             await _respond(send, exc.http_status, orjson.dumps({"error": exc.message}),
                            [(b"content-type", JSON_TYPE), *extra])
             return
-        content, json_length = render(model, parsed, reply.outputs)
         out = [(b"content-type", JSON_TYPE if json_length is None else BINARY_TYPE)]
         if json_length is not None:
             out.append((HEADER_LENGTH, str(json_length).encode()))

@@ -101,6 +101,9 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             job_config = replace(config, max_batch_size=MAX_JOB_ROWS)
             parsed = (await asyncio.to_thread(parse_document, doc, binary, job_config)
                       if claim.held else parse_document(doc, binary, job_config))
+            if parsed.shm_inputs or parsed.shm_outputs:
+                raise InvalidInput("shared memory tensors are not supported by jobs: send the "
+                                   "data in the body")
         record = JobRecord(
             id=uuid.uuid4().hex, model=model, state=JobState.PENDING, total=parsed.rows,
             priority=requested_priority(parsed, config.queue.priority_levels,

@@ -19,11 +19,16 @@ import numpy.typing as npt
 import orjson
 
 from api.binary import tensor_from_buffer
+from api.shm_params import ShmRef, tensor_ref
 from batching.config import ModelConfig
 from batching.datatypes import to_numpy
 from batching.envelope import Tensor
-from batching.errors import InvalidInput
-from batching.signature import check_inputs
+from batching.errors import InvalidInput, MalformedShape
+from batching.signature import check_inputs, dims
+
+MAX_JSON_DEPTH = 100
+"""Deepest nesting of an input's JSON ``data`` (Triton's limit)."""
+INT64_MAX = 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -37,14 +42,23 @@ class InferRequest:
     """Output names asked for; empty means every output."""
     parameters: dict[str, Any] = field(default_factory=dict)
     binary_default: bool = False
-    """HTTP: render outputs as binary unless an output says otherwise (``binary_data_output``)."""
+    """HTTP: render the outputs as binary when the request lists none (``binary_data_output``)."""
     binary_outputs: dict[str, bool] = field(default_factory=dict)
-    """HTTP: per-output ``binary_data`` overrides."""
+    """HTTP: the listed outputs' ``binary_data`` flags."""
+    shm_inputs: dict[int, ShmRef] = field(default_factory=dict)
+    """Inputs (by index) whose bytes lie in a shared memory region; their tensors hold no
+    data until :meth:`api.shared_memory.SharedMemory.bind` reads it."""
+    shm_outputs: dict[str, ShmRef] = field(default_factory=dict)
+    """Outputs to write into a shared memory region; the response carries no data for them."""
     version: str = "1"
     """The model version that answers (set by the service once the model is known)."""
 
     def binary(self, output: str) -> bool:
-        return self.binary_outputs.get(output, self.binary_default)
+        """A listed output is binary only when it says so itself, whatever
+        ``binary_data_output`` says (as Triton does); unlisted ones follow the request."""
+        if self.outputs:
+            return self.binary_outputs.get(output, False)
+        return self.binary_default
 
 
 def json_object(data: bytes | memoryview) -> dict[str, Any]:
@@ -70,25 +84,38 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
     heads = [_head(i, item) for i, item in enumerate(raw_inputs)]
-    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _ in heads])
-    tensors = []
+    # Triton's order: the body (JSON data, binary sections) first, then the signature,
+    # then the binary sizes; its clients and tests see whichever error comes first.
+    parts: list[Tensor | memoryview] = []
     offset = 0
-    for (name, datatype, shape, size), item in zip(heads, raw_inputs, strict=True):
+    shm_inputs = {}
+    for index, ((name, datatype, shape, size, ref), item) in enumerate(zip(heads, raw_inputs,
+                                                                           strict=True)):
+        if ref is not None:
+            shm_inputs[index] = ref
+            parts.append(Tensor(name, datatype, shape, b""))
+            continue
         if size is None:
-            tensors.append(_json_tensor(name, datatype, shape, item["data"]))
+            parts.append(_json_tensor(name, datatype, shape, item["data"]))
             continue
         if offset + size > len(binary):
-            raise InvalidInput(f"input {name!r}: binary_data_size {size} runs past the end of "
-                               f"the body ({len(binary) - offset} bytes left)")
-        tensors.append(tensor_from_buffer(name, datatype, shape, binary[offset:offset + size]))
+            raise InvalidInput(f"unexpected size for input '{name}', expecting "
+                               f"{offset + size - len(binary)} additional bytes for model "
+                               f"'{config.name}'")
+        parts.append(binary[offset:offset + size])
         offset += size
     if offset != len(binary):
-        raise InvalidInput(f"{len(binary) - offset} bytes of binary data follow the inputs "
-                           "that no input's binary_data_size accounts for")
+        raise InvalidInput(f"unexpected additional input data for model '{config.name}' "
+                           f"({len(binary) - offset} bytes that no input's binary_data_size "
+                           "accounts for)")
+    rows = check_inputs(config, [(name, datatype, shape) for name, datatype, shape, _, _ in heads])
+    tensors = [part if isinstance(part, Tensor) else
+               tensor_from_buffer(name, datatype, shape, part, config.name)
+               for (name, datatype, shape, _, _), part in zip(heads, parts, strict=True)]
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
-    names, flags = _wanted_outputs(doc.get("outputs"))
+    names, flags, shm_outputs = _wanted_outputs(doc.get("outputs"))
     rid = doc.get("id")
     if rid is not None and not isinstance(rid, str):
         raise InvalidInput(f"'id' must be a string, got {type(rid).__name__}")
@@ -100,11 +127,14 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
         parameters=params,
         binary_default=params.get("binary_data_output") is True,
         binary_outputs=flags,
+        shm_inputs=shm_inputs,
+        shm_outputs=shm_outputs,
     )
 
 
-def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]:
-    """(name, datatype, shape, binary_data_size or None when the data is JSON)."""
+def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None, ShmRef | None]:
+    """(name, datatype, shape, binary_data_size or None, the region holding the data or
+    None): the data is JSON when both are None."""
     if not isinstance(item, dict):
         raise InvalidInput(f"inputs[{index}] must be an object")
     name, datatype, shape = item.get("name"), item.get("datatype"), item.get("shape")
@@ -112,14 +142,31 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
         raise InvalidInput(f"inputs[{index}]: 'name' must be a string")
     if not isinstance(datatype, str):
         raise InvalidInput(f"input {name!r}: 'datatype' must be a string")
-    to_numpy(datatype)
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise InvalidInput(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    dtype = to_numpy(datatype)
+    if not isinstance(shape, list):
+        raise InvalidInput(f"Unable to parse 'shape': input {name!r}: 'shape' must be a list")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedShape("Unable to parse 'shape': attempt to access JSON "
+                             "non-unsigned-integer as unsigned-integer")
+    count = math.prod(shape)
+    if count > INT64_MAX:
+        raise InvalidInput(f"invalid shape for input '{name}': shape {dims(shape)} causes "
+                           f"total element count to exceed maximum size of {INT64_MAX}")
     params = item.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput(f"input {name!r}: 'parameters' must be an object")
     reject_unsupported(f"input {name!r}", params)
     size = params.get("binary_data_size")
+    ref = tensor_ref(name, params)
+    if ref is not None:
+        if "data" in item or size is not None:
+            given = " ".join(f"'{k}'" for k, present in (("data", "data" in item),
+                             ("binary_data_size", size is not None)) if present)
+            raise InvalidInput(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' "
+                "in 'parameters', 'shared_memory_region' in 'parameters'. But set "
+                f"{given} 'shared_memory_region'")
+        return name, datatype, tuple(shape), None, ref
     if size is not None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"input {name!r}: binary_data_size must be a non-negative integer")
@@ -127,11 +174,23 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None]
             raise InvalidInput(f"input {name!r} has both 'data' and binary_data_size")
     elif "data" not in item:
         raise InvalidInput(f"input {name!r}: 'data' is missing")
-    return name, datatype, tuple(shape), size
+    elif datatype != "BYTES" and count * dtype.itemsize > INT64_MAX:
+        raise InvalidInput(f"byte size overflow for input '{name}': element count ({count}) "
+                           f"* data type size ({dtype.itemsize}) exceeds maximum allowed size "
+                           f"({INT64_MAX})")
+    return name, datatype, tuple(shape), size, None
 
 
 def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> Tensor:
     count = math.prod(shape)
+    nested = data
+    for _ in range(MAX_JSON_DEPTH):
+        if not isinstance(nested, list) or not nested:
+            break
+        nested = nested[0]
+    else:
+        raise InvalidInput("Unable to parse 'data': JSON nesting depth exceeds maximum "
+                           f"allowed limit ({MAX_JSON_DEPTH})")
     try:
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=np.object_).reshape(-1)
@@ -143,11 +202,11 @@ def _json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) ->
             array = json_numbers(data, to_numpy(datatype))
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input {name!r}: data is not {datatype}: {exc}") from None
-    if array.size != count:
-        raise InvalidInput(
-            f"input {name!r}: {array.size} elements of data do not fill shape {list(shape)} "
-            f"({count} expected)"
-        )
+    if array.size < count:
+        raise InvalidInput("Failed to parse 'data' field: shape does not match true shape")
+    if array.size > count:
+        raise InvalidInput("Unable to parse 'data': Shape does not match true shape of "
+                           "'data' field")
     return Tensor.from_array(name, array.reshape(shape), datatype)
 
 
@@ -201,14 +260,16 @@ def json_numbers(data: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return found.astype(dtype, copy=False)
 
 
-def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:
-    """Names of the requested outputs, and their ``binary_data`` flags where given."""
+def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool], dict[str, ShmRef]]:
+    """Names of the requested outputs, their ``binary_data`` flags where given, and the
+    regions of those asked for in shared memory."""
     if raw is None:
-        return [], {}
+        return [], {}, {}
     if not isinstance(raw, list):
         raise InvalidInput("'outputs' must be a list")
     names: list[str] = []
     flags: dict[str, bool] = {}
+    regions: dict[str, ShmRef] = {}
     for i, item in enumerate(raw):
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str):
@@ -219,12 +280,17 @@ def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool]]:
         reject_unsupported(f"output {name!r}", params)
         if isinstance(params.get("binary_data"), bool):
             flags[name] = params["binary_data"]
+        ref = tensor_ref(name, params)
+        if ref is not None:
+            if params.get("binary_data") is True:
+                raise InvalidInput("Output can't set both 'shared_memory_region' and "
+                                   "'binary_data'")
+            regions[name] = ref
         names.append(name)
-    return names, flags
+    return names, flags, regions
 
 
-UNSUPPORTED = {"shared_memory_region": "shared memory tensors",
-               "classification": "classification outputs"}
+UNSUPPORTED = {"classification": "classification outputs"}
 """Tensor parameters of Triton extensions conveyor does not implement."""
 
 
@@ -236,11 +302,15 @@ def reject_unsupported(where: str, params: Collection[str]) -> None:
 
 
 def check_outputs(names: list[str], config: ModelConfig) -> list[str]:
-    """Reject requested outputs the model does not declare (any name if it declares none)."""
+    """Reject an output asked for twice, and outputs the model does not declare (any name
+    if it declares none)."""
+    if len(set(names)) != len(names):
+        twice = next(n for i, n in enumerate(names) if n in names[:i])
+        raise InvalidInput(f"output '{twice}' already exists in request")
     known = {o.name for o in config.outputs}
     for name in names:
         if known and name not in known:
-            raise InvalidInput(f"unknown output {name!r}; model {config.name!r} has {sorted(known)}")
+            raise InvalidInput(f"unexpected inference output '{name}' for model '{config.name}'")
     return names
 
 
@@ -253,7 +323,10 @@ def render(model: str, request: InferRequest, outputs: list[Tensor]) -> tuple[by
     blobs: list[bytes] = []
     described: list[dict[str, Any]] = []
     for tensor in chosen_outputs(outputs, request.outputs):
-        if request.binary(tensor.name):
+        if tensor.name in request.shm_outputs:  # its data went into the region
+            described.append({"name": tensor.name, "datatype": tensor.datatype,
+                              "shape": list(tensor.shape)})
+        elif request.binary(tensor.name):
             described.append({"name": tensor.name, "datatype": tensor.datatype,
                               "shape": list(tensor.shape),
                               "parameters": {"binary_data_size": len(tensor.raw)}})
@@ -274,7 +347,13 @@ def _json_output(tensor: Tensor) -> dict[str, Any]:
     array = tensor.array().reshape(-1)
     data: Any
     if tensor.datatype == "BYTES":
-        data = [bytes(v).decode("utf-8", "replace") for v in array]
+        try:
+            data = [bytes(v).decode() for v in array]
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(
+                f"output '{tensor.name}' holds BYTES that are not valid UTF-8 ({exc.reason} at "
+                f"byte {exc.start} of an element), which JSON cannot carry: request it with "
+                '"parameters": {"binary_data": true}') from None
     elif tensor.datatype == "FP16":
         data = array.astype(np.float32)
     else:

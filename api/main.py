@@ -31,6 +31,8 @@ from api.metrics import ApiMetrics
 from api.repository_control import Repository
 from api.routes import VERSION, add_routes
 from api.service import InferenceService
+from api.shared_memory import SharedMemory
+from api.shm_routes import add_shm_routes
 from batching.keys import Keys
 from batching.repository_scan import scan_repository
 from batching.settings import Settings
@@ -63,8 +65,12 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                                 lean=settings.lean_redis)
     watch = WorkerWatch(dispatcher, keys, models, settings.heartbeat_interval_s,
                         settings.heartbeat_stale_s, broken=scan.failed)
+    shm = SharedMemory(dispatcher, keys, enabled=settings.allow_client_shm,
+                       max_regions=settings.shm_max_regions,
+                       max_bytes=settings.max_request_bytes,
+                       interval_s=settings.heartbeat_interval_s)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
-                               BodyLimits.from_settings(settings), broken=scan.failed)
+                               BodyLimits.from_settings(settings), broken=scan.failed, shm=shm)
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
                             failed=scan.failed, control=settings.model_control == "explicit")
@@ -76,6 +82,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         await dispatcher.start()
         await repository.start()
         await watch.start()
+        await shm.start()
         if grpc_endpoint is not None:
             await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
@@ -85,12 +92,14 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         if grpc_endpoint is not None:
             await grpc_endpoint.close()
         await repository.close()
+        await shm.close()
         await watch.close()
         await dispatcher.close()
 
     app: FastAPI = FastAPIOffline(title="conveyor", version=VERSION, lifespan=lifespan,
                                   static_url=DOCS_ASSETS)
-    add_routes(app, service, repository)
+    add_routes(app, service, repository, settings.server_name)
+    add_shm_routes(app, shm)
     app.include_router(jobs_router(service, settings))
     return AuthGuard(InferRoute(app, service), guard)
 

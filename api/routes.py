@@ -24,7 +24,7 @@ from batching.triton_config import triton_config
 
 VERSION = "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "parameters",
-              "schedule_policy", "statistics"]
+              "schedule_policy", "statistics", "system_shared_memory"]
 
 
 def error_response(exc: ConveyorError) -> JSONResponse:
@@ -32,8 +32,9 @@ def error_response(exc: ConveyorError) -> JSONResponse:
     return JSONResponse({"error": exc.message}, status_code=exc.http_status, headers=headers)
 
 
-def server_metadata() -> dict[str, Any]:
-    return {"name": "conveyor", "version": VERSION, "extensions": EXTENSIONS}
+def server_metadata(name: str) -> dict[str, Any]:
+    """``GET /v2`` and gRPC ``ServerMetadata``; ``name`` is ``CONVEYOR_SERVER_NAME``."""
+    return {"name": name, "version": VERSION, "extensions": EXTENSIONS}
 
 
 def metadata(config: ModelConfig) -> dict[str, Any]:
@@ -74,7 +75,8 @@ def load_config(parameters: Any) -> str | None:
     return config
 
 
-def add_routes(app: FastAPI, service: InferenceService, repository: Repository) -> None:
+def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
+               server_name: str = "conveyor") -> None:
     @app.exception_handler(ConveyorError)
     async def conveyor_error(_: Request, exc: ConveyorError) -> JSONResponse:
         return error_response(exc)
@@ -85,6 +87,11 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code,
                             headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        """A bug: 500 with ``{"error": ...}`` too (Starlette still logs the traceback)."""
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
@@ -93,7 +100,7 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
 
     @app.get("/v2")
     async def get_server_metadata() -> dict[str, Any]:
-        return server_metadata()
+        return server_metadata(server_name)
 
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
@@ -136,8 +143,10 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository) 
 
     @app.post("/v2/repository/index")
     async def repository_index(request: Request) -> JSONResponse:
-        body = await json_body(request)
-        return JSONResponse(await repository.index(ready_only=body.get("ready") is True))
+        ready = (await json_body(request)).get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput("Invalid value for 'ready': expected a boolean")
+        return JSONResponse(await repository.index(ready_only=ready))
 
     @app.post("/v2/repository/models/{model}/load")
     async def load(model: str, request: Request) -> JSONResponse:

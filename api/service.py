@@ -14,11 +14,17 @@ from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.kserve import InferRequest
 from api.metrics import ApiMetrics
+from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
 from batching.envelope import VERSION, WHOLE, Reply, Request
-from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable, from_code
+from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
 from batching.keys import Keys
-from batching.names import unknown_model
+from batching.names import (
+    no_available_versions,
+    requested_version,
+    unknown_model,
+    unknown_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +45,21 @@ class InferenceService:
     """Models unloaded through the repository API (kept in step by api.repository_control)."""
     broken: dict[str, str] = field(default_factory=dict)
     """Model folders whose configuration failed, with the reason (api.repository_control too)."""
+    shm: SharedMemory | None = None
+    """System shared memory regions; None: a tensor that names one finds none."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
-                raise ModelNotFound(f"model {name!r} is unloaded")
+                raise no_available_versions(name, "unloaded")
             if name in self.broken:
-                raise ModelNotFound(f"model {name!r} is unavailable: {self.broken[name]}")
+                raise no_available_versions(name, f"unavailable: {self.broken[name]}")
             raise unknown_model(name)
-        if version and version not in config.served_versions:
-            raise ModelNotFound(f"Request for unknown model: '{name}' version {version} is not "
-                                "found")
+        number = requested_version(version)
+        if number is not None and str(number) not in config.served_versions:
+            raise unknown_version(name, number)
         return config
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
@@ -66,9 +74,12 @@ class InferenceService:
         self.metrics.protocol(protocol).inc()
         try:
             config = self.model(model, version)
-        except ModelNotFound:
-            self._count(UNKNOWN_MODEL, ModelNotFound.code, started)
+        except ConveyorError as exc:
+            self._count(UNKNOWN_MODEL, exc.code, started)
             raise
+        number = requested_version(version)  # "007" asks for version 7
+        version = "" if number is None else str(number)
+        regions: Binding | None = None
         try:
             parsed = await parse(config)
             parsed.version = version or config.served_versions[-1]
@@ -76,6 +87,8 @@ class InferenceService:
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
                                           config.queue.default_priority, "the model's default")
+            if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
+                regions = await self._bind(parsed, model)
             now_ms = int(time.time() * 1000)
             timeout_ms = float(config.queue.default_timeout_ms)
             asked = parsed.parameters.get("timeout")
@@ -99,6 +112,8 @@ class InferenceService:
             reply = await self.dispatcher.submit(admission, request, timeout_ms / 1000.0)
             if not reply.ok:
                 raise from_code(reply.error_code, reply.error)
+            if regions is not None:
+                await regions.write(reply.outputs)
         except ConveyorError as exc:
             self._count(model, exc.code, started)
             raise
@@ -106,11 +121,20 @@ class InferenceService:
             log.exception("request for model %s failed", model)
             self._count(model, ConveyorError.code, started)
             raise ConveyorError(f"internal error: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if regions is not None:
+                regions.close()
         self._count(model, "success", started)
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)
         series.batch_size.observe(reply.batch_rows)
         return parsed, reply
+
+    async def _bind(self, parsed: InferRequest, model: str) -> Binding | None:
+        """Read the inputs given by shared memory region, hold the output regions."""
+        if self.shm is None:
+            raise not_found([*parsed.shm_inputs.values(), *parsed.shm_outputs.values()][0].region)
+        return await self.shm.bind(parsed, model)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         series = self.metrics.of(model)

@@ -44,9 +44,25 @@ class TensorSpec:
         return f"{self.name} {self.datatype} {list(self.shape)}"
 
 
+ADAPTIVE_BOUND_US = 20000
+"""The adaptive policy's longest wait when ``max_queue_delay_us`` is not set. It waits only
+when a fuller batch is needed to keep up (never at low load); on mlp_medium at 64
+concurrent clients such waits took the mean batch from 23 to 40-50 rows and throughput up
+by 40% (docs/batching.md)."""
+
+
+def queue_delay_us(batching: BatchingSchema) -> int:
+    """``max_queue_delay_us`` as set, or by default ``ADAPTIVE_BOUND_US`` for the adaptive
+    policy and 0 (take what is waiting, as Triton does) for a fixed window."""
+    if batching.max_queue_delay_us is not None:
+        return batching.max_queue_delay_us
+    return ADAPTIVE_BOUND_US if batching.adaptive else 0
+
+
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
-    max_queue_delay_us: int = 0
+    max_queue_delay_us: int = ADAPTIVE_BOUND_US
+    """Resolved: with ``adaptive: false`` the default is 0 (:func:`queue_delay_us`)."""
     preferred_batch_sizes: tuple[int, ...] = ()
     latency_target_ms: float = 50.0
     adaptive: bool = True
@@ -159,7 +175,7 @@ class ModelConfig:
             max_batch_size=schema.max_batch_size,
             inputs=tuple(_tensor(t) for t in schema.inputs or ()),
             outputs=tuple(_tensor(t) for t in schema.outputs or ()),
-            batching=BatchingConfig(batching.max_queue_delay_us,
+            batching=BatchingConfig(queue_delay_us(batching),
                                     tuple(batching.preferred_batch_sizes),
                                     batching.latency_target_ms, batching.adaptive),
             queue=QueueConfig(queue.priority_levels, queue.default_priority,

@@ -81,7 +81,8 @@ class TensorSchema(_Section):
 
 
 class BatchingSchema(_Section):
-    max_queue_delay_us: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    max_queue_delay_us: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    """None: ``ADAPTIVE_BOUND_US`` for the adaptive policy, 0 for a fixed window."""
     preferred_batch_sizes: list[Annotated[int, Field(ge=1, le=INT32_MAX)]] = []
     latency_target_ms: _Positive = 50.0
     adaptive: bool = True

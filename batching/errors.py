@@ -37,9 +37,12 @@ class ModelNotFound(ConveyorError):
 
 
 class Overloaded(ConveyorError):
+    """The model's queue is full. 503 / UNAVAILABLE, as Triton answers it (clients retry
+    on those codes), with ``Retry-After`` over HTTP."""
+
     code = "overloaded"
-    http_status = 429
-    grpc_status = "RESOURCE_EXHAUSTED"
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
@@ -52,6 +55,16 @@ class Unavailable(ConveyorError):
     code = "unavailable"
     http_status = 503
     grpc_status = "UNAVAILABLE"
+
+
+class MalformedShape(ConveyorError):
+    """A JSON ``shape`` element that is not an unsigned integer (negative, a fraction, a
+    string, a bool): Triton answers this 500 / INTERNAL, and its HTTP test pins that code
+    for a negative dim, so conveyor answers it so too."""
+
+    code = "malformed_shape"
+    http_status = 500
+    grpc_status = "INTERNAL"
 
 
 class PayloadTooLarge(ConveyorError):
@@ -107,6 +120,39 @@ class PermissionDenied(ConveyorError):
     grpc_status = "PERMISSION_DENIED"
 
 
+class Unsupported(ConveyorError):
+    """A Triton feature conveyor does not offer (CUDA shared memory), or one switched off
+    (client shared memory without ``allow_client_shm``): Triton's UNSUPPORTED."""
+
+    code = "unsupported"
+    http_status = 501
+    grpc_status = "UNIMPLEMENTED"
+
+
+class AlreadyExists(ConveyorError):
+    """A shared memory region name already registered (Triton answers HTTP 400 too)."""
+
+    code = "already_exists"
+    http_status = 400
+    grpc_status = "ALREADY_EXISTS"
+
+
+class RegionNotFound(ConveyorError):
+    """A request names a shared memory region that is not registered."""
+
+    code = "region_not_found"
+    http_status = 404
+    grpc_status = "NOT_FOUND"
+
+
+class TooManyRegions(ConveyorError):
+    """Registering one more shared memory region would pass ``shm_max_regions``."""
+
+    code = "too_many_regions"
+    http_status = 400
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
 class ModelFailure(ConveyorError):
     """The model raised while running a batch."""
 
@@ -119,7 +165,8 @@ _BY_CODE: dict[str, type[ConveyorError]] = {
     cls.code: cls
     for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
                 DeadlineExceeded, ModelFailure, ModelControlDisabled, Unauthenticated,
-                PermissionDenied, PayloadTooLarge, RequestTimeout, HeadersTooLarge)
+                PermissionDenied, PayloadTooLarge, RequestTimeout, HeadersTooLarge, Unsupported,
+                AlreadyExists, RegionNotFound, TooManyRegions, MalformedShape)
 }
 
 

@@ -53,6 +53,11 @@ class Keys:
         """Hash: model -> JSON {state: loaded|unloaded, ts}, set by repository load/unload."""
         return f"{self.prefix}:repository"
 
+    def shm_regions(self, host: str) -> str:
+        """Hash: system shared memory region name -> JSON {key, offset, byte_size, token},
+        for the API processes that share one ``/dev/shm`` (``host``: api.shm_region)."""
+        return f"{self.prefix}:shm:{host}"
+
     def control(self, model: str) -> str:
         """Hash of run-time batching overrides (max_queue_delay_us, max_batch_size)."""
         return f"{self.prefix}:{{{model}}}:control"

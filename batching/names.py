@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from batching.errors import ModelNotFound
+from batching.errors import InvalidInput, ModelNotFound
 
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_NAME_LENGTH}}}")
@@ -24,9 +24,42 @@ def valid_name(name: str) -> bool:
 
 
 def unknown_model(name: str) -> ModelNotFound:
-    """The one answer for a name that is invalid, outside the repository or absent."""
-    shown = name if len(name) <= MAX_NAME_LENGTH else name[:MAX_NAME_LENGTH] + "..."
-    return ModelNotFound(f"unknown model {shown!r}")
+    """The one answer for a name that is invalid, outside the repository or absent,
+    worded as Triton words it (its clients and tests match the text)."""
+    return ModelNotFound(f"Request for unknown model: {_shown(name)!r} is not found")
+
+
+def no_available_versions(name: str, why: str = "") -> ModelNotFound:
+    """A known model that serves nothing now (unloaded, or failed to load: ``why``)."""
+    return ModelNotFound(f"Request for unknown model: {_shown(name)!r} has no available "
+                         f"versions{f' ({why})' if why else ''}")
+
+
+def requested_version(version: str) -> int | None:
+    """A path's or request's model version as a number; None for "" (the latest).
+
+    Anything but ASCII digits (a sign, spaces, other scripts' digits): 400, in Triton's
+    words."""
+    if not version:
+        return None
+    if version.startswith("-") and version[1:].isdigit() and version.isascii():
+        raise InvalidInput(f"invalid model version specified {_shown(version)!r} , version "
+                           "should be an integral value > 0")
+    if not (version.isdigit() and version.isascii()):
+        raise InvalidInput(f"failed to get model version from specified version string "
+                           f"{_shown(version)!r} (details: not an integer), version should "
+                           "be an integral value > 0")
+    return int(version)
+
+
+def unknown_version(name: str, version: int) -> ModelNotFound:
+    return ModelNotFound(f"Request for unknown model: {_shown(name)!r} version {version} "
+                         "is not found")
+
+
+def _shown(text: str) -> str:
+    """A client's name as error messages show it (cut past MAX_NAME_LENGTH)."""
+    return text if len(text) <= MAX_NAME_LENGTH else text[:MAX_NAME_LENGTH] + "..."
 
 
 def model_folder(root: Path, name: str) -> Path | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,6 +26,9 @@ class Settings(BaseSettings):
     flower_port: int = 5555
     worker_port: int = 8002
     """The inference worker's probe port (/live, /ready); 0 turns the probe off."""
+    api_workers: int = Field(default=0, ge=0, le=256)
+    """API processes sharing the HTTP and gRPC ports (``python -m api.serve``, ``conveyor
+    run``); 0: one per core available to the process."""
     batch_events_per_s: int = 100
     """Most Celery task events (one per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer events. 0 sends none."""
@@ -96,8 +101,22 @@ class Settings(BaseSettings):
     model_control: Literal["none", "explicit"] = "none"
     """Repository load/unload over HTTP and gRPC: ``none`` refuses them (Triton's
     ``--model-control-mode``); ``explicit`` allows them to ``admin`` keys."""
+    allow_client_shm: bool = False
+    """Clients on this host may register system shared memory regions and pass tensors
+    through them (Triton's ``--allow-client-shm``; needs the ``infer`` scope). Off,
+    register and unregister answer 501 / UNIMPLEMENTED."""
+    shm_max_regions: int = 64
+    """Registered system shared memory regions, at most, for all the API processes of a
+    host together."""
+    server_name: Annotated[str, Field(min_length=1)] = "conveyor"
+    """The server's ``name`` in its metadata (``GET /v2``, gRPC ``ServerMetadata``)."""
     callback_hosts: str = ""
     """Comma-separated host names or addresses job ``callback_url`` may name; loopback,
     link-local and private addresses are refused unless listed. Empty: no callbacks."""
+
     def model_filter(self) -> set[str]:
         return {m.strip() for m in self.models.split(",") if m.strip()}
+
+    def api_processes(self) -> int:
+        """``api_workers``, or the cores this process may run on when it is 0."""
+        return self.api_workers or len(os.sched_getaffinity(0))

@@ -1,11 +1,25 @@
-"""Checking a request's tensors against a model's declared signature, before Redis."""
+"""Checking a request's tensors against a model's declared signature, before Redis.
+
+The messages are worded as Triton words them (its clients and tests match the text);
+shapes print as Triton prints them, ``[-1,16]``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from batching.config import ModelConfig, TensorSpec
 from batching.errors import InvalidInput
+
+
+def dims(shape: Iterable[int]) -> str:
+    """A shape as Triton's messages show it: ``[1,16]``."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def name_list(names: Iterable[str]) -> str:
+    """Names as Triton's messages list them: ``['INPUT0','INPUT1']``."""
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
 def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int, ...]]]) -> int:
@@ -15,63 +29,60 @@ def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int,
     declared signature accepts any inputs that agree on their batch dim.
     """
     names = [name for name, _, _ in given]
-    if not given:
-        raise InvalidInput("request has no inputs")
-    if len(set(names)) != len(names):
-        raise InvalidInput(f"duplicate input names in {names}")
+    model = config.name
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidInput(f"input '{name}' already exists in request")
+        seen.add(name)
     if config.inputs:
-        expected = {spec.name for spec in config.inputs}
+        expected = [spec.name for spec in config.inputs]
+        if len(names) != len(expected):
+            missing = [n for n in expected if n not in seen]
+            raise InvalidInput(
+                f"expected {len(expected)} inputs but got {len(names)} inputs for model "
+                f"'{model}'. Got input(s) {name_list(names)}, but missing required input(s) "
+                f"{name_list(missing)}. Please provide all required input(s).")
         unknown = [n for n in names if n not in expected]
         if unknown:
-            raise InvalidInput(
-                f"unknown input {unknown[0]!r} for model {config.name!r}; "
-                f"expected {sorted(expected)}"
-            )
-        missing = [s.name for s in config.inputs if s.name not in names]
-        if missing:
-            spec = config.input(missing[0])
-            assert spec is not None
-            raise InvalidInput(f"missing input {spec.describe()} for model {config.name!r}")
-    rows: int | None = None
+            raise InvalidInput(f"unexpected inference input '{unknown[0]}' for model '{model}'")
+    elif not given:
+        raise InvalidInput("request has no inputs")
+    rows = _batch_rows(config, given) if config.batched else 1
     for name, datatype, shape in given:
         spec = config.input(name)
         if spec is not None:
-            _check_one(spec, datatype, shape)
-        if not config.batched:
-            continue
+            _check_one(model, spec, datatype, shape)
+    return rows  # no batch dim: the request is one unit of work, whatever its shapes
+
+
+def _batch_rows(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int, ...]]]) -> int:
+    """The batch dim every input shares, checked against ``max_batch_size``."""
+    model = config.name
+    rows: int | None = None
+    for name, _, shape in given:
         if not shape:
-            raise InvalidInput(f"input {name!r}: shape must have the batch dim first, got []")
+            raise InvalidInput(f"input '{name}' has no shape but model requires batch "
+                               f"dimension for '{model}'")
         if rows is None:
             rows = shape[0]
         elif shape[0] != rows:
-            raise InvalidInput(
-                f"input {name!r} has {shape[0]} rows but {names[0]!r} has {rows}; "
-                "every input needs the same batch dim"
-            )
-    if not config.batched:
-        return 1  # no batch dim: the request is one unit of work, whatever its shapes
+            raise InvalidInput(f"input '{name}' batch size does not match other inputs "
+                               f"for '{model}'")
     assert rows is not None
     if rows < 1:
-        raise InvalidInput(f"input {names[0]!r}: the batch dim must be at least 1, got {rows}")
+        raise InvalidInput(f"input {given[0][0]!r}: the batch dim must be at least 1, got {rows}")
     if rows > config.max_batch_size:
-        raise InvalidInput(
-            f"input {names[0]!r} has {rows} rows; model {config.name!r} takes at most "
-            f"{config.max_batch_size} per request (max_batch_size)"
-        )
+        raise InvalidInput(f"inference request batch-size must be <= {config.max_batch_size} "
+                           f"for '{model}'")
     return rows
 
 
-def _check_one(spec: TensorSpec, datatype: str, shape: tuple[int, ...]) -> None:
+def _check_one(model: str, spec: TensorSpec, datatype: str, shape: tuple[int, ...]) -> None:
     if datatype != spec.datatype:
-        raise InvalidInput(f"input {spec.name!r}: datatype {datatype}, expected {spec.datatype}")
-    if len(shape) != len(spec.shape):
-        raise InvalidInput(
-            f"input {spec.name!r}: shape {list(shape)} has rank {len(shape)}, "
-            f"expected rank {len(spec.shape)} {list(spec.shape)}"
-        )
-    for axis, (got, want) in enumerate(zip(shape, spec.shape, strict=True)):
-        if want != -1 and got != want:
-            raise InvalidInput(
-                f"input {spec.name!r}: dim {axis} is {got}, expected {want} "
-                f"(shape {list(spec.shape)}, -1 = any)"
-            )
+        raise InvalidInput(f"inference input '{spec.name}' data-type is '{datatype}', but "
+                           f"model '{model}' expects '{spec.datatype}'")
+    if len(shape) != len(spec.shape) or any(
+            want != -1 and got != want for got, want in zip(shape, spec.shape, strict=True)):
+        raise InvalidInput(f"unexpected shape for input '{spec.name}' for model '{model}'. "
+                           f"Expected {dims(spec.shape)}, got {dims(shape)}")

@@ -169,6 +169,9 @@ def _convert(top: _Fields) -> dict[str, Any]:
     batching = top.sub("dynamic_batching")
     if batching is not None:
         _dynamic_batching(batching, raw)
+    # Triton does not wait for a fuller batch unless told to: conveyor's adaptive bound
+    # (ADAPTIVE_BOUND_US) applies to config.yaml only, never to a Triton configuration.
+    raw.setdefault("batching", {}).setdefault("max_queue_delay_us", 0)
     groups = top.messages("instance_group")
     if groups:
         raw["instances"] = [group for fields in groups for group in _instance_group(fields)]

@@ -1,12 +1,19 @@
-"""Seeded FP32 MLPs used by the benchmarks, and a model repository writer.
+"""Seeded FP32 MLPs used by the benchmarks, exported to ONNX, and a model repository writer.
+
+Every system in bench/run.py serves the same ONNX files in onnxruntime with the same
+session options (:func:`session`): conveyor (a repository of ``model.onnx`` files, no
+``config.yaml``: everything from the graph and the defaults), Triton, the plain wrapper and the
+raw in-process model.
 
 Usage: python -m bench.models OUT_DIR
 """
 
 import itertools
+import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,23 +25,10 @@ LAYERS: dict[str, list[int]] = {
 }
 
 MAX_BATCH_SIZE = 64
-
-CONFIG_TEMPLATE = """\
-backend: torchscript
-max_batch_size: {max_batch_size}
-inputs:
-  - {{name: INPUT0, datatype: FP32, shape: [-1, {n_in}]}}
-outputs:
-  - {{name: OUTPUT0, datatype: FP32, shape: [-1, {n_out}]}}
-batching:
-  max_queue_delay_us: 0
-queue:
-  max_queue_rows: 100000
-instances:
-  - {{device: cpu, count: 1}}
-parameters:
-  threads: 1
-"""
+"""conveyor's default ``max_batch_size``, which Triton's config gets too."""
+INTRA_OP_THREADS = os.cpu_count() or 1
+"""onnxruntime's intra-op threads everywhere: the machine's cores, as conveyor's default
+``cpu_threads`` gives its one CPU instance."""
 
 
 def build(name: str) -> nn.Module:
@@ -51,27 +45,34 @@ def input_width(name: str) -> int:
     return LAYERS[name][0]
 
 
+def export_onnx(name: str, path: Path) -> None:
+    """The model ``name`` as ONNX at ``path``, batch dimension dynamic, named as conveyor serves
+    it (INPUT0 -> OUTPUT0)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # the TorchScript exporter: the newer one needs onnxscript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(build(name), (torch.zeros(1, LAYERS[name][0]),), str(path),
+                          input_names=["INPUT0"], output_names=["OUTPUT0"],
+                          dynamic_axes={"INPUT0": {0: "batch"}, "OUTPUT0": {0: "batch"}},
+                          dynamo=False)
+
+
 def write_repository(root: Path) -> None:
-    """Write `root/<name>/model.pt` (TorchScript) and `config.yaml` for every model."""
-    for name, widths in LAYERS.items():
-        model_dir = root / name
-        model_dir.mkdir(parents=True, exist_ok=True)
-        torch.jit.save(torch.jit.script(build(name)), str(model_dir / "model.pt"))
-        config = CONFIG_TEMPLATE.format(max_batch_size=MAX_BATCH_SIZE, n_in=widths[0], n_out=widths[-1])
-        (model_dir / "config.yaml").write_text(config)
+    """``root/<name>/model.onnx`` for every model, with no ``config.yaml``."""
+    for name in LAYERS:
+        export_onnx(name, root / name / "model.onnx")
 
 
-def write_onnx(root: Path) -> None:
-    """Write `root/<name>.onnx` for every model, batch dimension dynamic, named as conveyor serves
-    it (INPUT0 -> OUTPUT0): what the Triton comparison (bench/triton.py) runs in onnxruntime."""
-    root.mkdir(parents=True, exist_ok=True)
-    for name, widths in LAYERS.items():
-        with warnings.catch_warnings():  # the TorchScript exporter: the newer one needs onnxscript
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.onnx.export(build(name), (torch.zeros(1, widths[0]),), str(root / f"{name}.onnx"),
-                              input_names=["INPUT0"], output_names=["OUTPUT0"],
-                              dynamic_axes={"INPUT0": {0: "batch"}, "OUTPUT0": {0: "batch"}},
-                              dynamo=False)
+def session(path: Path) -> Any:
+    """An onnxruntime session as every benchmarked system runs it: INTRA_OP_THREADS intra-op
+    threads, one inter-op thread, idle threads not spinning."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = INTRA_OP_THREADS
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
 """Baseline: the plain FastAPI wrapper an ML engineer typically writes today.
 
-One forward pass per request, no batching. Serves the KServe v2 infer route.
+One onnxruntime call per request, no batching, on the same ONNX export and session options
+as every other benchmarked system (bench.models.session). Serves the KServe v2 infer route.
 
 Usage: BENCH_MODEL=mlp_tiny uvicorn bench.plain_fastapi:app --port 8000
 """
 
 import os
+import tempfile
+from pathlib import Path
 
-import torch
+import numpy as np
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
-from bench.models import build
+from bench.models import export_onnx, session
 
 MODEL_NAME = os.environ.get("BENCH_MODEL", "mlp_tiny")
 
-torch.set_num_threads(1)
-model = build(MODEL_NAME)
+with tempfile.TemporaryDirectory() as _tmp:
+    export_onnx(MODEL_NAME, Path(_tmp) / "model.onnx")
+    model = session(Path(_tmp) / "model.onnx")
 app = FastAPI()
 
 
@@ -48,8 +52,7 @@ def infer(model_name: str, request: InferRequest) -> InferResponse:
     if model_name != MODEL_NAME:
         raise HTTPException(status_code=404, detail=f"unknown model {model_name!r}")
     tensor = request.inputs[0]
-    x = torch.tensor(tensor.data, dtype=torch.float32).reshape(tensor.shape)
-    with torch.inference_mode():
-        y = model(x)
-    output = InferOutput(name="OUTPUT0", datatype="FP32", shape=list(y.shape), data=y.flatten().tolist())
+    x = np.asarray(tensor.data, dtype=np.float32).reshape(tensor.shape)
+    y = model.run(None, {"INPUT0": x})[0]
+    output = InferOutput(name="OUTPUT0", datatype="FP32", shape=list(y.shape), data=y.ravel().tolist())
     return InferResponse(model_name=model_name, outputs=[output])

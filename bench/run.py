@@ -1,13 +1,16 @@
 """One benchmark run, side by side (bench/RESULTS.md): raw model, plain FastAPI wrapper, Triton, conveyor.
 
 Usage: python -m bench.run [--duration S] [--models mlp_tiny,mlp_medium] [--concurrency 1,8,64]
-                           [--api-workers 1,2] [--no-triton] [--out bench/RESULTS.md]
+                           [--api-workers 1,2] [--binary-concurrency 1,64] [--pytriton]
+                           [--no-triton] [--out bench/RESULTS.md]
 
-Per model: the raw in-process model (bench.raw_model), the plain wrapper under one uvicorn
-process, NVIDIA Triton in a plain Python backend and then through pytriton (bench/triton.py,
-in its own venv, created on first use; skipped with --no-triton or when the venv cannot be
-made), then conveyor (redis-server + API + Celery worker) once per API process count, each
-under wrk at every concurrency; only one system runs at a time. CPU seconds come from /proc:
+Per model, all on the same ONNX export: the raw in-process model (bench.raw_model), the
+plain wrapper under one uvicorn process, NVIDIA Triton in a plain Python backend (and with
+--pytriton through pytriton; bench/triton.py, in its own venv, created on first use; skipped
+with --no-triton or when the venv cannot be made), then conveyor (redis-server, ``python -m
+api.serve``, a Celery worker) once per API process count: each under wrk with JSON at every
+concurrency, Triton and conveyor's default also with binary tensors (wrk) and gRPC (h2load);
+only one system runs at a time. CPU seconds come from /proc:
 each server's process group, wrk, and the rest of the machine ("other": other tenants). A
 point whose "other" CPU exceeds --max-other of the machine is measured again (--retries) and
 the least disturbed attempt is kept.
@@ -32,10 +35,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypedDict
 
+import numpy as np
+
 from bench import triton
-from bench.grpc_load import run_load
-from bench.models import LAYERS, MAX_BATCH_SIZE, write_onnx, write_repository
+from bench.models import LAYERS, MAX_BATCH_SIZE, write_repository
 from bench.wrk import WrkResult, run_wrk
+from conveyor.bench_cli import grpc_target
+from conveyor.bench_load import run_h2load
+from conveyor.bench_load import run_wrk as run_wrk_body
+from conveyor.bench_request import Body, Input, binary_body, grpc_body
 from conveyor.harness import ProcessGroup, RedisServer, free_port, group_cpu_s, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,12 +150,49 @@ def wrk_point(system: str, url: str, body: str, groups: list[ProcessGroup], args
                       groups, args, concurrency)
 
 
-def python_client_load(protocol: str, address: str, model: str, width: int) -> Load:
-    """Load from bench.grpc_load's Python clients (at most two processes) on ``model``."""
+def c_load(protocol: str, target: str, request: Body, work: Path) -> Load:
+    """Load from a C generator: wrk for HTTP (``protocol`` "binary": the binary tensor
+    extension), h2load for gRPC (``target`` HOST:PORT), one request in flight per connection."""
     def load(connections: int, seconds: int) -> WrkResult:
-        return run_load(protocol, address, model, "INPUT0", width, connections=connections,
-                        duration_s=seconds, processes=min(2, connections))
+        if protocol == "grpc":
+            res = run_h2load(grpc_target(target), request, connections, seconds, work)
+        else:
+            res = run_wrk_body(target, request, connections, seconds, work)
+        return {"rps": res.throughput, "p50_ms": res.p50_ms if res.p50_ms is not None else res.mean_ms,
+                "p99_ms": res.p99_ms if res.p99_ms is not None else res.max_ms, "errors": res.errors,
+                "requests": res.requests}
     return load
+
+
+def binary_points(system: str, model: str, http_url: str, grpc_address: str, groups: list[ProcessGroup],
+                  args: argparse.Namespace, work: Path, concurrency: list[int]) -> list[Point]:
+    """``system`` under the binary tensor extension (wrk) and gRPC (h2load) at ``concurrency``;
+    one gRPC call through tritonclient first, since h2load cannot read a gRPC error."""
+    tensor = binary_input(model)
+    grpc_call(grpc_address, model, tensor)
+    points = []
+    for protocol, target, request in (("http-binary", http_url, binary_body([tensor])),
+                                      ("grpc", grpc_address, grpc_body(model, [tensor]))):
+        points += [load_point(f"{system}, {protocol}", c_load(protocol, target, request, work),
+                              groups, args, c) for c in concurrency]
+    return points
+
+
+def binary_input(model: str) -> Input:
+    """The JSON request's row (request_body) as a tensor."""
+    data = json.loads(request_body(model))["inputs"][0]["data"]
+    return Input("INPUT0", "FP32", np.asarray([data], np.float32))
+
+
+def grpc_call(address: str, model: str, tensor: Input) -> None:
+    """One inference over gRPC that must succeed (AssertionError otherwise)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(address) as client:
+        item = grpcclient.InferInput(tensor.name, list(tensor.array.shape), tensor.datatype)
+        item.set_data_from_numpy(tensor.array)
+        out = client.infer(model, [item]).as_numpy("OUTPUT0")
+    assert out is not None and out.shape == (1, LAYERS[model][-1]), out
 
 
 def load_point(system: str, load: Load, groups: list[ProcessGroup], args: argparse.Namespace,
@@ -217,64 +262,71 @@ def bench_plain(model: str, body: str, args: argparse.Namespace, work: Path) -> 
 
 def bench_triton(model: str, body: str, args: argparse.Namespace, work: Path,
                  venv: triton.TritonVenv) -> tuple[list[Point], str]:
-    """Triton serving ``model`` in the plain Python backend, then through pytriton, one after
-    the other; and the Triton version the server reports."""
-    onnx = work / "onnx" / f"{model}.onnx"
+    """Triton serving ``model`` in the plain Python backend (JSON, binary tensors, gRPC), then
+    with --pytriton through pytriton (JSON); and the Triton version the server reports."""
+    onnx = work / "repo" / model / "model.onnx"
     ports = (free_port(), free_port(), free_port())
     widths = (LAYERS[model][0], LAYERS[model][-1])
     argv, env = triton.python_backend_server(venv, work / "triton", onnx, model, widths, MAX_BATCH_SIZE,
                                              ports)
     points, version = triton_points(triton.PYTHON_BACKEND, server("tritonserver", argv, env, work),
-                                    ports[0], model, body, args)
-    ports = (free_port(), free_port(), free_port())
-    argv = triton.pytriton_argv(venv, onnx.parent, model, *ports, MAX_BATCH_SIZE)
-    more, _ = triton_points(triton.PYTRITON, server("pytriton", argv, triton.server_env(venv), work),
-                            ports[0], model, body, args)
-    return points + more, version
+                                    ports, model, body, args, work)
+    if args.pytriton:
+        ports = (free_port(), free_port(), free_port())
+        argv = triton.pytriton_argv(venv, onnx.parent.parent, model, *ports, MAX_BATCH_SIZE)
+        more, _ = triton_points(triton.PYTRITON, server("pytriton", argv, triton.server_env(venv), work),
+                                ports, model, body, args, None)
+        points += more
+    return points, version
 
 
-def triton_points(system: str, group: ProcessGroup, http_port: int, model: str, body: str,
-                  args: argparse.Namespace) -> tuple[list[Point], str]:
-    """``system``'s points, once ``group`` (a Triton server) answers on ``http_port``; its version."""
-    base = f"http://127.0.0.1:{http_port}"
+def triton_points(system: str, group: ProcessGroup, ports: tuple[int, int, int], model: str, body: str,
+                  args: argparse.Namespace, work: Path | None) -> tuple[list[Point], str]:
+    """``system``'s points, once ``group`` (a Triton server) answers on its HTTP port (with
+    ``work``, binary and gRPC ones too); its version."""
+    base = f"http://127.0.0.1:{ports[0]}"
     url = f"{base}/v2/models/{model}/infer"
     with started([group], lambda: http_ok(url, body.encode())):
         with urllib.request.urlopen(f"{base}/v2", timeout=5) as r:
             version = str(json.load(r)["version"])
-        return [wrk_point(system, url, body, [group], args, c) for c in args.concurrency], version
+        points = [wrk_point(system, url, body, [group], args, c) for c in args.concurrency]
+        if work is not None:
+            points += binary_points(system, model, url, f"127.0.0.1:{ports[1]}", [group], args, work,
+                                    args.binary_concurrency)
+        return points, version
+
+
+def conveyor_system(api_workers: int) -> str:
+    return f"conveyor, {api_workers} API proc{'s' if api_workers > 1 else ''}"
 
 
 def bench_conveyor(model: str, body: str, args: argparse.Namespace, work: Path,
                    api_workers: int) -> list[Point]:
+    """conveyor as ``make run`` serves it (``python -m api.serve``, ``api_workers`` API
+    processes), under JSON at every concurrency, and binary and gRPC for the default count."""
     api_port, grpc_port = free_port(), free_port()
     base = f"http://127.0.0.1:{api_port}"
     url = f"{base}/v2/models/{model}/infer"
-    system = f"conveyor, {api_workers} API proc{'s' if api_workers > 1 else ''}"
+    system = conveyor_system(api_workers)
     with ExitStack() as stack:
         redis = stack.enter_context(RedisServer(work))
         assert redis.proc is not None
         env = {**os.environ, "CONVEYOR_REDIS_URL": redis.url,
                "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_MODELS": model,
-               "CONVEYOR_GRPC_PORT": str(grpc_port), "CONVEYOR_WORKER_PORT": str(free_port()),
-               "CONVEYOR_GRPC_REUSEPORT": "1",  # uvicorn --workers N share the gRPC port
+               "CONVEYOR_HTTP_PORT": str(api_port), "CONVEYOR_GRPC_PORT": str(grpc_port),
+               "CONVEYOR_WORKER_PORT": str(free_port()), "CONVEYOR_API_WORKERS": str(api_workers),
                "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.conveyor_env)}
         groups = [redis.proc,
-                  server("api", uvicorn_argv(CONVEYOR_APP, api_port, api_workers, factory=True),
-                         env, work),
+                  server("api", [sys.executable, "-m", "api.serve"], env, work),
                   server("celery", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
                                     "-n", f"bench-{api_port}@%h", "--loglevel", "WARNING",
                                     "--without-mingle", "--without-gossip"], env, work)]
         stack.enter_context(started(groups[1:], lambda: http_ok(f"{base}/v2/health/ready")
                                     and http_ok(url, body.encode())))
         points = [wrk_point(system, url, body, groups, args, c) for c in args.concurrency]
-        if api_workers == min(args.api_workers):
-            width = LAYERS[model][0]
-            for protocol, address in (("http-binary", f"127.0.0.1:{api_port}"),
-                                      ("grpc", f"127.0.0.1:{grpc_port}")):
-                points += [load_point(
-                    f"{system}, {protocol} (Python client)",
-                    python_client_load(protocol, address, model, width),
-                    groups, args, c) for c in (1, max(args.concurrency))]
+        if api_workers == NCPU:
+            points += binary_points(system, model, url, f"127.0.0.1:{grpc_port}", groups, args, work,
+                                    args.binary_concurrency)
     return points
 
 
@@ -299,46 +351,50 @@ def table_row(p: Point) -> str:
 
 
 def ratio_rows(model: str, points: list[Point], top: str) -> list[str]:
-    def pick(prefix: str, concurrency: str) -> Point | None:
-        return max((p for p in points if p.system.startswith(prefix)
-                    and p.concurrency == concurrency), key=lambda p: p.rps, default=None)
+    """The targets, for conveyor as ``make run`` serves it (one API process per core)."""
+    def pick(system: str, concurrency: str) -> Point | None:
+        return next((p for p in points if p.system == system and p.concurrency == concurrency), None)
+    conveyor = conveyor_system(NCPU)
     rows = []
-    conveyor, plain = pick("conveyor", top), pick("plain", top)
+    top_point, plain = pick(conveyor, top), pick("plain FastAPI", top)
     target = {"mlp_medium": 5.0, "mlp_tiny": 2.0}.get(model)
-    if conveyor and plain and target:
-        ratio = conveyor.rps / plain.rps
-        rows.append(f"| {model}: conveyor / plain req/s at c={top} | {ratio:.2f}× "
-                    f"({conveyor.system}) | ≥{target:g}× | {'yes' if ratio >= target else '**no**'} |")
-    fastest = pick("conveyor", "1")
-    rows += triton_ratio_rows(model, conveyor, fastest, pick(triton.PYTHON_BACKEND, top),
-                              pick(triton.PYTHON_BACKEND, "1"), top)
-    if model == "mlp_tiny" and fastest:
-        met = "yes" if fastest.p50_ms < 1.0 else "**no**"
-        rows.append(f"| mlp_tiny: conveyor p50 at c=1 | {fastest.p50_ms:.2f} ms "
-                    f"({fastest.system}) | < 1 ms | {met} |")
+    if top_point and plain and target:
+        rows.append(row(f"{model}: conveyor / plain req/s at c={top}", top_point.rps / plain.rps,
+                        f"{top_point.rps:,.0f} vs {plain.rps:,.0f}", target, at_least=True))
+    for suffix, protocol, goal in (("", "JSON", TRITON_RPS_TARGETS.get(model)),
+                                   (", http-binary", "binary tensors", BINARY_TARGETS.get(model)),
+                                   (", grpc", "gRPC", BINARY_TARGETS.get(model))):
+        mine, theirs = pick(conveyor + suffix, top), pick(triton.PYTHON_BACKEND + suffix, top)
+        if mine and theirs and goal:
+            rows.append(row(f"{model}: conveyor / Triton req/s at c={top}, {protocol}",
+                            mine.rps / theirs.rps, f"{mine.rps:,.0f} vs {theirs.rps:,.0f}", goal,
+                            at_least=True))
+    one, triton_one = pick(conveyor, "1"), pick(triton.PYTHON_BACKEND, "1")
+    if one and triton_one:
+        rows.append(row(f"{model}: conveyor / Triton p50 at c=1, JSON", one.p50_ms / triton_one.p50_ms,
+                        f"{one.p50_ms:.2f} vs {triton_one.p50_ms:.2f} ms", 1.0, at_least=False))
+    grpc, binary = pick(conveyor + ", grpc", top), pick(conveyor + ", http-binary", top)
+    if grpc and binary and model in BINARY_TARGETS:
+        rows.append(row(f"{model}: conveyor gRPC / HTTP binary req/s at c={top}", grpc.rps / binary.rps,
+                        f"{grpc.rps:,.0f} vs {binary.rps:,.0f}", 1.0, at_least=True))
+    if model == "mlp_tiny" and one:
+        rows.append(f"| mlp_tiny: conveyor p50 at c=1 | {one.p50_ms:.2f} ms | < 1 ms | "
+                    f"{'yes' if one.p50_ms < 1.0 else '**no**'} |")
     return rows
+
+
+def row(what: str, ratio: float, detail: str, target: float, at_least: bool) -> str:
+    met = ratio >= target if at_least else ratio <= target
+    return (f"| {what} | {ratio:.2f}× ({detail}) | {'≥' if at_least else '≤'}{target:g}× | "
+            f"{'yes' if met else '**no**'} |")
 
 
 TRITON_RPS_TARGETS = {"mlp_tiny": 0.6, "mlp_medium": 0.9}
-"""conveyor / Triton (plain Python backend) req/s at the top concurrency, at least; at c=1
-conveyor's p50 is no worse than Triton's."""
-
-
-def triton_ratio_rows(model: str, conveyor: Point | None, conveyor_c1: Point | None,
-                      triton_top: Point | None, triton_c1: Point | None, top: str) -> list[str]:
-    rows = []
-    target = TRITON_RPS_TARGETS.get(model)
-    if conveyor and triton_top and target:
-        ratio = conveyor.rps / triton_top.rps
-        rows.append(f"| {model}: conveyor / Triton req/s at c={top} | {ratio:.2f}× ({conveyor.rps:,.0f} "
-                    f"vs {triton_top.rps:,.0f}, {conveyor.system}) | ≥{target:g}× | "
-                    f"{'yes' if ratio >= target else '**no**'} |")
-    if conveyor_c1 and triton_c1:
-        ratio = conveyor_c1.p50_ms / triton_c1.p50_ms
-        rows.append(f"| {model}: conveyor / Triton p50 at c=1 | {ratio:.2f}× ({conveyor_c1.p50_ms:.2f} vs "
-                    f"{triton_c1.p50_ms:.2f} ms, {conveyor_c1.system}) | ≤1× | "
-                    f"{'yes' if ratio <= 1 else '**no**'} |")
-    return rows
+"""conveyor / Triton (plain Python backend) req/s with JSON at the top concurrency, at least;
+at c=1 conveyor's p50 is no worse than Triton's."""
+BINARY_TARGETS = {"mlp_medium": 1.0}
+"""conveyor / Triton req/s at the top concurrency with binary tensors and with gRPC, at least;
+and conveyor's gRPC no slower than its HTTP binary."""
 
 
 def triton_line(version: str | None, skipped: str | None) -> str:
@@ -353,9 +409,9 @@ def triton_line(version: str | None, skipped: str | None) -> str:
             f"{MAX_BATCH_SIZE}, one instance; same model names, tensors and wrk request as conveyor. "
             f"{triton.PYTHON_BACKEND}: a plain Python backend `model.py` (bench/triton_model.py) runs "
             "onnxruntime in the backend's stub process (CPU split: tritonserver, stub); the targets "
-            f"are against it. {triton.PYTRITON}: pytriton's `@batch` function (bench/triton_server.py), "
-            "one more process hop per batch (CPU split: pytriton, where onnxruntime runs, and "
-            "tritonserver with its stub and pytriton's helpers)")
+            f"are against it. {triton.PYTRITON} (with --pytriton): pytriton's `@batch` function "
+            "(bench/triton_server.py), one more process hop per batch (CPU split: pytriton, where "
+            "onnxruntime runs, and tritonserver with its stub and pytriton's helpers)")
 
 
 def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argparse.Namespace,
@@ -377,15 +433,22 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         "other CPU s: the rest of the machine's busy time (other tenants, kernel), a noise "
         f"indicator; (noisy) = above {args.max_other:.0%} of the machine after "
         f"{args.retries} retries",
-        "- raw model: one thread, in-process; req/s means rows/s, p50 is one call's time",
-        "- wrk sends KServe JSON; the http-binary and grpc rows use bench/grpc_load.py, a Python "
-        "client (its CPU is in wrk CPU s) that is slower than wrk, so compare those rows with "
-        "each other, not with wrk's",
+        "- raw model: the ONNX export in-process, in the onnxruntime session every system runs "
+        "(bench/models.py `session`); req/s means rows/s, p50 is one call's time",
+        "- plain FastAPI: bench/plain_fastapi.py under one uvicorn process, one onnxruntime call "
+        "per request in that session",
+        "- wrk sends KServe JSON (one row per request); the http-binary rows send the same row "
+        "with the binary tensor extension, binary output asked for (wrk, `conveyor bench`'s "
+        "request); the grpc rows send it as `raw_input_contents` over h2c with h2load (one "
+        "stream per connection), whose report has no percentiles: their p50 column is the mean, "
+        "their p99 the maximum",
         "- GPU (H200) results: [RESULTS-gpu.md](RESULTS-gpu.md); batching policy: "
         "[RESULTS-batching.md](RESULTS-batching.md)",
-        "- conveyor: default settings (so busy polling for lone requests, "
-        "`CONVEYOR_BUSY_POLL_US=1000`: docs/data-path.md section 7) and the model's bench "
-        "config (bench/models.py), own redis-server, gRPC and probe ports; extra environment: "
+        "- conveyor: `python -m api.serve` and a Celery worker as `make run` starts them, default "
+        "settings (so busy polling for lone requests, `CONVEYOR_BUSY_POLL_US=1000`: "
+        "docs/data-path.md section 7, and `CONVEYOR_API_WORKERS` API processes: one per core "
+        "unless the row says otherwise), the models' `model.onnx` with no `config.yaml` "
+        "(bench/models.py), own redis-server, gRPC and probe ports; extra environment: "
         + (", ".join(f"`{kv}`" for kv in args.conveyor_env) or "none"),
         triton_line(triton_version, triton_skipped), "",
     ]
@@ -400,7 +463,7 @@ def report(results: dict[str, tuple[list[Point], dict[str, int]]], args: argpars
         ratios += ratio_rows(model, points, top)
     lines += ["## Ratios against the targets", "", "| what | measured | target | met |",
               "|---|---|---|---|", *ratios, "",
-              "Conveyor figures use the API process count that did best at that concurrency.", ""]
+              f"The targets are conveyor's as `make run` serves it ({conveyor_system(NCPU)}).", ""]
     return "\n".join(lines)
 
 
@@ -423,8 +486,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="seconds of warm-up per point")
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(LAYERS))
     parser.add_argument("--concurrency", type=ints, default=[1, 8, 64])
-    parser.add_argument("--api-workers", type=ints, default=[1, 2],
-                        help="uvicorn --workers counts to run conveyor with")
+    parser.add_argument("--api-workers", type=ints, default=sorted({1, NCPU}),
+                        help="CONVEYOR_API_WORKERS values to run conveyor with (binary and gRPC "
+                             "rows for the default, one per core)")
+    parser.add_argument("--binary-concurrency", type=ints, default=[1, 64],
+                        help="concurrency of the binary-tensor (wrk) and gRPC (h2load) rows")
+    parser.add_argument("--pytriton", action="store_true",
+                        help="also Triton through pytriton (JSON rows)")
     parser.add_argument("--conveyor-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for conveyor's processes (repeatable)")
     parser.add_argument("--max-other", type=float, default=0.1,
@@ -444,8 +512,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
         work = Path(tmp)
         write_repository(work / "repo")
-        if triton_venv is not None:
-            write_onnx(work / "onnx")
         for model in args.models:
             print(f"{model}:", file=sys.stderr, flush=True)
             body = request_body(model)

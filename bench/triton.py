@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import models
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / "bench" / ".triton-venv"
 REQUIREMENTS = ("nvidia-pytriton==0.7.0", "onnxruntime==1.32.0")
@@ -32,7 +34,7 @@ PYTHON_BACKEND = "Triton (python backend, onnxruntime)"
 PYTRITON = "Triton (pytriton, python backend, onnxruntime)"
 """The rows' system names in bench/RESULTS.md."""
 MAX_QUEUE_DELAY_US = 200
-INTRA_OP_THREADS = 2
+INTRA_OP_THREADS = models.INTRA_OP_THREADS
 
 CONFIG_PBTXT = """\
 backend: "python"
@@ -91,7 +93,7 @@ def ensure_venv() -> TritonVenv:
 
 def pytriton_argv(venv: TritonVenv, onnx_dir: Path, model: str, http_port: int, grpc_port: int,
                   metrics_port: int, max_batch_size: int) -> list[str]:
-    """bench/triton_server.py serving ``model`` from ``onnx_dir``/<model>.onnx on these ports."""
+    """bench/triton_server.py serving ``model`` from ``onnx_dir``/<model>/model.onnx on these ports."""
     return [str(venv.python), str(ROOT / "bench" / "triton_server.py"), "--onnx-dir", str(onnx_dir),
             "--model", model, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port), "--max-batch-size", str(max_batch_size),

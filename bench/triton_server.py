@@ -4,7 +4,7 @@ Runs with the interpreter of bench/.triton-venv and the environment bench/triton
 (``server_env``: which libpython the backend's stub loads), not the project's: pytriton and the
 tritonserver binary it bundles are a benchmark-only dependency.
 
-Usage: python bench/triton_server.py --onnx-dir DIR --model mlp_tiny [--model ...]
+Usage: python bench/triton_server.py --onnx-dir REPO --model mlp_tiny [--model ...]
            --http-port P --grpc-port P --metrics-port P [--max-batch-size 64] [--delay-us 200]
            [--threads 2]
 
@@ -49,7 +49,7 @@ def infer_func(sess: ort.InferenceSession) -> InferFunc:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--onnx-dir", type=Path, required=True, help="holds <model>.onnx")
+    parser.add_argument("--onnx-dir", type=Path, required=True, help="holds <model>/model.onnx")
     parser.add_argument("--model", action="append", required=True, help="a model to serve (repeatable)")
     parser.add_argument("--http-port", type=int, required=True)
     parser.add_argument("--grpc-port", type=int, required=True)
@@ -65,7 +65,7 @@ def main() -> None:
                           metrics_address="127.0.0.1", metrics_port=args.metrics_port)
     with Triton(config=config) as triton:
         for name in args.model:
-            sess = session(args.onnx_dir / f"{name}.onnx", args.threads)
+            sess = session(args.onnx_dir / name / "model.onnx", args.threads)
             n_in, n_out = sess.get_inputs()[0].shape[1], sess.get_outputs()[0].shape[1]
             triton.bind(model_name=name, infer_func=infer_func(sess),
                         inputs=[Tensor(name="INPUT0", dtype=np.float32, shape=(n_in,))],

@@ -44,6 +44,7 @@ def service_env(redis_url: str, repository: Path, prefix: str, **extra: str) -> 
         "CONVEYOR_MODEL_REPOSITORY": str(repository),
         "CONVEYOR_KEY_PREFIX": prefix,
         "PYTHONUNBUFFERED": "1",
+        "CONVEYOR_API_WORKERS": "1",  # one API process unless a test asks for more
     })
     env.update(extra)
     return env

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from celery import Celery
 
+from batching.config import ADAPTIVE_BOUND_US
 from batching.keys import Keys
 from tests.conftest import TEST_MODELS, Stack
 from tests.jobs_stack import add_job_worker, rows, start_flower, submit, watch
@@ -141,7 +142,7 @@ def test_control_commands_answer_and_take_effect(stack: tuple[Stack, str],
     assert echo["rows"] >= echo["batches"] > 0
     assert echo["mean_batch"] == pytest.approx(echo["rows"] / echo["batches"])
     [instance] = echo["instances"]
-    assert instance["max_batch_size"] == 32 and instance["max_queue_delay_us"] == 0
+    assert instance["max_batch_size"] == 32 and instance["max_queue_delay_us"] == ADAPTIVE_BOUND_US
 
     assert set_batching(control, model="echo", max_batch_size=3, max_queue_delay_us=2000) == {
         "ok": True, "model": "echo", "set": {"max_queue_delay_us": 2000, "max_batch_size": 3}}

@@ -44,6 +44,7 @@ def fuzz_stack(redis_server: RedisServer, logdir: Path,
         "CONVEYOR_GRPC_PORT": str(free_port()),
         "CONVEYOR_HTTP_BODY_TIMEOUT_S": "2",
         "CONVEYOR_HTTP_HEADER_TIMEOUT_S": "2",
+        "CONVEYOR_ALLOW_CLIENT_SHM": "1",  # the shared memory routes get hostile input too
     })
     stack.add_api()
     stack.add_worker()

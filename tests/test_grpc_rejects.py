@@ -26,8 +26,9 @@ def probe(model: str, mode: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("model,error", [
-    ("nope", "NOT_FOUND: unknown model 'nope'"),
-    ("m", "INVALID_ARGUMENT: input 'a': 4194304 bytes of FP32 data do not fill shape [1, 2]"),
+    ("nope", "NOT_FOUND: Request for unknown model: 'nope' is not found"),
+    ("m", "INVALID_ARGUMENT: input byte size mismatch for input 'a' for model 'm'. Expected 8, "
+          "got 4194304"),
 ])
 def test_rejected_model_infer_requests_are_freed_without_a_collection(model: str,
                                                                       error: str) -> None:
@@ -39,5 +40,5 @@ def test_rejected_model_infer_requests_are_freed_without_a_collection(model: str
 
 def test_rejected_stream_requests_are_freed_without_a_collection() -> None:
     result = probe("nope", "stream")
-    assert result["errors"] == ["unknown model 'nope'"] * result["count"]
+    assert result["errors"] == ["Request for unknown model: 'nope' is not found"] * result["count"]
     assert result["held"] == 0

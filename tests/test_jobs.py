@@ -132,7 +132,7 @@ def test_binary_inputs_chosen_outputs_and_binary_result(stack: Stack) -> None:
     ({"model": "nope", "inputs": []}, 404, "unknown model"),
     ({"inputs": []}, 400, "'model'"),
     ({"model": "echo", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3],
-                                   "data": [1, 2, 3]}]}, 400, "dim 1"),
+                                   "data": [1, 2, 3]}]}, 400, "unexpected shape"),
     ({"model": "echo", "parameters": {"priority": 9},
       "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]},
      400, "priority"),

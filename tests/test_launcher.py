@@ -80,6 +80,10 @@ def test_banner_says_loopback_only_without_keys(clean_env: None) -> None:
     assert f"HTTP API      http://127.0.0.1:{settings.http_port}/v2" in text
     assert f"gRPC          127.0.0.1:{settings.grpc_port}" in text
     assert "Loopback only (127.0.0.1): no CONVEYOR_API_KEYS_FILE" in text
+    cores = len(os.sched_getaffinity(0))
+    assert f"API processes {cores} sharing both ports" in text
+    text = launcher.banner(Settings(api_workers=3), "127.0.0.1", "")
+    assert "API processes 3 sharing both ports" in text
 
 
 def test_banner_names_tls_and_keys_and_brackets_ipv6(clean_env: None, tmp_path: Path) -> None:

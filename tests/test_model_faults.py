@@ -160,7 +160,7 @@ def test_bad_names_get_one_answer_on_every_path(api: Api) -> None:
     (settings.model_repository / "escape").symlink_to(outside / "evil")
     for name in ("missing", "escape", "a..b", LONG, "bad name"):
         shown = name if len(name) <= 128 else name[:128] + "..."
-        expected = f"unknown model {shown!r}"
+        expected = f"Request for unknown model: {shown!r} is not found"
         for method, path in (("post", "load"), ("post", "unload"), ("get", "ready"),
                              ("get", "config"), ("get", "stats"), ("post", "infer")):
             response = client.request(method, f"/v2/models/{name}/{path}" if method == "get"
@@ -181,7 +181,8 @@ def test_bad_names_get_one_answer_on_every_path(api: Api) -> None:
                 with pytest.raises(grpc.RpcError) as caught:
                     method(request, timeout=10)
                 assert caught.value.code() == grpc.StatusCode.NOT_FOUND, (name, caught.value)
-                assert caught.value.details() == f"unknown model {shown!r}"
+                assert caught.value.details() == (f"Request for unknown model: {shown!r} "
+                                                  "is not found")
             ready = stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=10)
             assert not ready.ready
     names = [e["name"] for e in client.post("/v2/repository/index").json()]

@@ -6,6 +6,7 @@ import gzip
 import struct
 import zlib
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -13,7 +14,7 @@ import orjson
 import pytest
 
 from api.binary import compress, raw_input, tensor_from_buffer
-from api.kserve import parse_header, render
+from api.kserve import InferRequest, parse_header, render
 from batching.config import ModelConfig
 from batching.envelope import Tensor
 from batching.errors import InvalidInput, status_table
@@ -49,16 +50,22 @@ def test_header_then_binary_inputs_in_order() -> None:
 
 
 @pytest.mark.parametrize("datatype,shape,data,message", [
-    ("FP32", (1, 2), b"\0" * 7, "7 bytes of FP32 data do not fill shape [1, 2]"),
+    ("FP32", (1, 2), b"\0" * 7,
+     "input byte size mismatch for input 't' for model 'm'. Expected 8, got 7"),
     ("BOOL", (1, 2), b"\x01\x02", "BOOL bytes must be 0 or 1"),
-    ("BYTES", (1, 1), strings(b"ab") + b"x", "1 bytes left after 1 BYTES elements"),
-    ("BYTES", (1, 2), strings(b"ab"), "ends after 1 of 2 elements"),
-    ("BYTES", (1, 1), struct.pack("<I", 9) + b"abc", "claims 9 bytes past the end"),
+    ("BYTES", (1, 1), strings(b"ab") + b"x", "incomplete string length indicator for inference "
+     "input 't' for model 'm', expecting 4 bytes but only 1 bytes available"),
+    ("BYTES", (1, 1), strings(b"ab", b"c"), "unexpected number of string elements 2 for "
+     "inference input 't' for model 'm', expecting 1"),
+    ("BYTES", (1, 2), strings(b"ab"),
+     "expected 2 string elements for inference input 't' for model 'm', got 1"),
+    ("BYTES", (1, 1), struct.pack("<I", 9) + b"abc", "claims 9 bytes, past the end"),
 ])
 def test_bad_binary_tensors(datatype: str, shape: tuple[int, ...], data: bytes,
                             message: str) -> None:
-    with pytest.raises(InvalidInput, match=message.replace("[", r"\[").replace("]", r"\]")):
-        tensor_from_buffer("t", datatype, shape, data)
+    with pytest.raises(InvalidInput) as caught:
+        tensor_from_buffer("t", datatype, shape, data, "m")
+    assert message in caught.value.message
 
 
 def test_raw_input_deduces_rows_or_one_free_dim() -> None:
@@ -70,8 +77,22 @@ def test_raw_input_deduces_rows_or_one_free_dim() -> None:
     assert text.shape == (1, 1) and text.array()[0, 0] == "ü".encode()
     with pytest.raises(InvalidInput, match="cannot be deduced"):
         raw_input(b"\0" * 5, single("FP32", [-1, 4]))
-    with pytest.raises(InvalidInput, match="exactly one declared input"):
-        raw_input(b"", CONFIG)
+
+
+@pytest.mark.parametrize("config,message", [
+    (CONFIG, "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in "
+             "'m' model configuration"),
+    (single("BYTES", [-1, -1]), "For BYTE datatype raw input 'in', the model must have input "
+                                "shape [1]"),
+    (single("BYTES", [-1, 2]), "For BYTE datatype raw input 'in', the model must have input "
+                               "shape [1]"),
+    (single("FP16", [-1, -1, -1]), "The shape of the raw input 'in' can not be deduced because "
+                                   "there are more than one variable-sized dimension"),
+])
+def test_raw_input_refusals_in_tritons_words(config: ModelConfig, message: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        raw_input(b"1234", config)
+    assert message in caught.value.message
 
 
 def test_raw_input_of_a_model_without_a_batch_dim_is_exactly_its_shape() -> None:
@@ -94,29 +115,54 @@ def test_response_compression() -> None:
 
 
 def test_render_mixes_json_and_binary_outputs() -> None:
-    request = parse_header(orjson.dumps({
-        "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]},
-                   {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["z"]}],
-        "parameters": {"binary_data_output": True},
-        "outputs": [{"name": "o"}]}), memoryview(b""), CONFIG)
+    """A listed output is binary only when its own binary_data says so: binary_data_output
+    applies to the outputs of a request that lists none (Triton, and its L0_http test)."""
+    def parsed(**extra: Any) -> InferRequest:
+        return parse_header(orjson.dumps({
+            "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]},
+                       {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["z"]}],
+            "parameters": {"binary_data_output": True}, **extra}), memoryview(b""), CONFIG)
+
     out = Tensor.from_array("o", np.array([[1.5, 2.5]], np.float32))
-    body, length = render("m", request, [out, Tensor.from_array("p", np.ones((1, 1)))])
+    other = Tensor.from_array("p", np.ones((1, 1)))
+    body, length = render("m", parsed(outputs=[{"name": "o", "parameters": {"binary_data": True}}]),
+                          [out, other])
     assert length is not None
     header = orjson.loads(body[:length])
     assert header["outputs"] == [{"name": "o", "datatype": "FP32", "shape": [1, 2],
                                   "parameters": {"binary_data_size": 8}}]
     assert body[length:] == out.raw
+    body, length = render("m", parsed(outputs=[{"name": "o"}]), [out, other])
+    assert length is None and orjson.loads(body)["outputs"][0]["data"] == [1.5, 2.5]
+    body, length = render("m", parsed(), [out, other])
+    assert length is not None and body[length:] == out.raw + other.raw
+    request = parsed()
     request.binary_default = False
     body, length = render("m", request, [out])
     assert length is None and orjson.loads(body)["outputs"][0]["data"] == [1.5, 2.5]
 
 
+def test_bytes_that_are_not_utf8_are_refused_as_json_not_replaced() -> None:
+    request = parse_header(orjson.dumps({
+        "inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]},
+                   {"name": "s", "datatype": "BYTES", "shape": [1, 1], "data": ["z"]}]}),
+        memoryview(b""), CONFIG)
+    bad = Tensor.from_array("o", np.array([[b"ok", b"\xff\xfe"]], dtype=np.object_), "BYTES")
+    with pytest.raises(InvalidInput, match="'o' holds BYTES that are not valid UTF-8"):
+        render("m", request, [bad])
+    request.binary_default = True
+    body, length = render("m", request, [bad])
+    assert length is not None and b"\xff\xfe" in body[length:]
+
+
 def test_every_error_maps_to_a_grpc_status_code() -> None:
     table = status_table()
     assert {code: http for code, (http, _) in table.items()} == {
-        "internal": 500, "invalid_input": 400, "not_found": 404, "overloaded": 429,
+        "internal": 500, "invalid_input": 400, "not_found": 404, "overloaded": 503,
         "unavailable": 503, "deadline_exceeded": 504, "model_failure": 500,
         "unauthenticated": 401, "permission_denied": 403, "payload_too_large": 413,
-        "model_control_disabled": 503, "request_timeout": 408, "headers_too_large": 431}
+        "model_control_disabled": 503, "request_timeout": 408, "headers_too_large": 431,
+        "unsupported": 501, "already_exists": 400, "region_not_found": 404,
+        "too_many_regions": 400, "malformed_shape": 500}
     for _, name in table.values():
         assert isinstance(grpc.StatusCode[name], grpc.StatusCode)

@@ -118,7 +118,7 @@ def test_stream_answers_every_request_and_reports_errors_in_band(stack: Stack) -
     assert sorted(got) == [f"s-{i}" for i in range(6)]
     for i in range(6):
         np.testing.assert_array_equal(got[f"s-{i}"], np.full((1, 4), 2.0 * i))
-    assert len(errors) == 1 and "dim 1 is 5, expected 4" in errors[0].message()
+    assert len(errors) == 1 and "Expected [-1,4], got [1,5]" in errors[0].message()
 
 
 def test_onnx_model_without_config_matches_onnxruntime(stack: Stack) -> None:
@@ -173,13 +173,15 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
     wrong_type = grpcclient.InferInput("x", [1, 4], "INT32")
     wrong_type.set_data_from_numpy(np.ones((1, 4), np.int32))
     cases: list[tuple[Callable[[], object], str, str]] = [
-        (lambda: client.infer("missing", [item]), "NOT_FOUND", "unknown model 'missing'"),
+        (lambda: client.infer("missing", [item]), "NOT_FOUND",
+         "Request for unknown model: 'missing' is not found"),
         (lambda: client.infer("echo", [item], model_version="3"), "NOT_FOUND",
-         "version 3 is not found"),
+         "Request for unknown model: 'echo' version 3 is not found"),
         (lambda: client.get_model_metadata("missing"), "NOT_FOUND", "unknown model"),
         (lambda: client.get_model_config("missing"), "NOT_FOUND", "unknown model"),
         (lambda: client.get_inference_statistics("missing"), "NOT_FOUND", "unknown model"),
-        (lambda: client.infer("echo", [wrong_type]), "INVALID_ARGUMENT", "datatype INT32"),
+        (lambda: client.infer("echo", [wrong_type]), "INVALID_ARGUMENT",
+         "inference input 'x' data-type is 'INT32', but model 'echo' expects 'FP32'"),
         (lambda: client.infer("echo", [item], priority=99), "INVALID_ARGUMENT", "priority"),
         (lambda: client.infer("slow", [item], timeout=1), "DEADLINE_EXCEEDED", "deadline"),
         (lambda: client.infer("echo", [item], outputs=[

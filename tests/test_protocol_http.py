@@ -19,6 +19,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
+from batching.config import ADAPTIVE_BOUND_US
 from tests.conftest import Stack
 from tests.procs import RedisServer, wait_for
 from tests.protocol_stack import (
@@ -160,7 +161,7 @@ def test_config_follows_triton_shape(stack: Stack, client: Client) -> None:
     assert config["input"][0] == {"name": "x", "data_type": "TYPE_FP32", "format": "FORMAT_NONE",
                                   "dims": [4]}
     batching = config["dynamic_batching"]
-    assert batching["max_queue_delay_microseconds"] == 0
+    assert batching["max_queue_delay_microseconds"] == ADAPTIVE_BOUND_US  # echo sets none
     assert batching["priority_levels"] == 3 and batching["default_priority_level"] == 2
     assert batching["default_queue_policy"]["default_timeout_microseconds"] == 30_000_000
     assert config["instance_group"] == [{"name": "echo_0", "count": 1, "kind": "KIND_CPU",
@@ -210,20 +211,23 @@ def test_errors_map_to_statuses(stack: Stack, client: Client) -> None:
     item = httpclient.InferInput("x", [1, 4], "FP32")
     item.set_data_from_numpy(np.ones((1, 4), np.float32))
     cases: list[tuple[Callable[[], object], str, str]] = [
-        (lambda: client.infer("missing", [item]), "404", "unknown model 'missing'"),
+        (lambda: client.infer("missing", [item]), "404",
+         "Request for unknown model: 'missing' is not found"),
         (lambda: client.infer("echo", [item], model_version="7"), "404",
-         "'echo' version 7 is not found"),
+         "Request for unknown model: 'echo' version 7 is not found"),
         (lambda: client.get_model_config("missing"), "404", "unknown model"),
         (lambda: client.get_inference_statistics("missing"), "404", "unknown model"),
         (lambda: client.get_model_metadata("missing"), "404", "unknown model"),
-        (lambda: client.infer("onnx_mlp", [item]), "400", "unknown input 'x'"),
+        (lambda: client.infer("onnx_mlp", [item]), "400",
+         "unexpected inference input 'x' for model 'onnx_mlp'"),
         (lambda: client.infer("echo", [item], outputs=[httpclient.InferRequestedOutput("z")]),
-         "400", "unknown output 'z'"),
+         "400", "unexpected inference output 'z' for model 'echo'"),
         (lambda: client.infer("echo", [item], priority=9), "400", "priority"),
         (lambda: client.infer("slow", [item], timeout=1), "504", "deadline"),
         (lambda: client.infer("echo", [item], outputs=[
             httpclient.InferRequestedOutput("y", class_count=2)]), "400", "classification"),
-        (lambda: client.load_model("missing"), "404", "unknown model 'missing'"),
+        (lambda: client.load_model("missing"), "404",
+         "Request for unknown model: 'missing' is not found"),
     ]
     for call, status, text in cases:
         with pytest.raises(InferenceServerException) as caught:
@@ -238,8 +242,9 @@ def test_bad_binary_bodies_are_400(stack: Stack) -> None:
               b'"parameters":{"binary_data_size":16}}]}')
     url = f"{stack.url}/v2/models/echo/infer"
     cases = [
-        (header + b"\0" * 12, len(header), "runs past the end"),
-        (header + b"\0" * 20, len(header), "no input's binary_data_size accounts for"),
+        (header + b"\0" * 12, len(header),
+         "unexpected size for input 'x', expecting 4 additional bytes for model 'echo'"),
+        (header + b"\0" * 20, len(header), "unexpected additional input data for model 'echo'"),
         (header + b"\0" * 16, len(header) + 100, "does not fit a body"),
         (header + b"\0" * 16, "nope", "must be an integer"),
     ]

@@ -47,6 +47,18 @@ def test_config_pbtxt_becomes_conveyors_configuration() -> None:
     assert config.version_policy == VersionPolicy("latest", 2)
 
 
+@pytest.mark.parametrize("batching", ["", "dynamic_batching { }",
+                                      "dynamic_batching { preferred_batch_size: [ 4 ] }"])
+def test_a_triton_configuration_waits_only_when_it_says_so(batching: str) -> None:
+    """No max_queue_delay_microseconds (or no dynamic_batching) is 0 in Triton, not
+    conveyor's adaptive bound; the load's config reads the same way."""
+    text = f"max_batch_size: 8\n{batching}"
+    assert from_pbtxt(text).batching.max_queue_delay_us == 0
+    document = json.dumps({"max_batch_size": 8, **({"dynamic_batching": {}} if batching else {})})
+    assert ModelConfig.from_dict("m", json_config("m", document), "onnx") \
+        .batching.max_queue_delay_us == 0
+
+
 def test_the_rest_of_the_fields_conveyor_understands() -> None:
     config = from_pbtxt("""
         backend: "onnxruntime"  # comments are fine
@@ -103,7 +115,7 @@ def test_max_batch_size_0_keeps_dims_as_they_are() -> None:
     assert config.inputs == (TensorSpec("x", "INT32", (2, 3)),)
     assert triton_config(config)["input"][0]["dims"] == [2, 3]
     assert check_inputs(config, [("x", "INT32", (2, 3))]) == 1
-    with pytest.raises(InvalidInput, match="rank"):
+    with pytest.raises(InvalidInput, match=r"Expected \[2,3\], got \[1,2,3\]"):
         check_inputs(config, [("x", "INT32", (1, 2, 3))])
 
 

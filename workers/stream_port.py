@@ -47,7 +47,8 @@ class StreamPort(Protocol):
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
                counters: Mapping[str, int] | None = None) -> None:
-        """Send the replies, release the entries, add ``counters`` to the statistics."""
+        """Add ``counters`` to the statistics, then send the replies and release the
+        entries: the statistics count a reply before it is out."""
         ...
 
     def settle(self) -> None:
@@ -63,11 +64,11 @@ class StreamPort(Protocol):
         ...
 
     def count(self, counters: Mapping[str, int]) -> None:
-        """Add to the model's statistics, with the next flush."""
+        """Add to the model's statistics, with the next answer or flush."""
         ...
 
     def note(self, name: str, value: int) -> None:
-        """Set a latest value in the model's statistics, with the next flush."""
+        """Set a latest value in the model's statistics, with the next answer or flush."""
         ...
 
     @property

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api.main import create_app
 from batching.settings import Settings
 from tests.unit.conftest import serve, unit_settings
 from tests.unit.memory_dispatch import MemoryDispatcher
@@ -23,20 +24,20 @@ def body(values: np.ndarray, **extra: object) -> dict[str, Any]:
 
 @pytest.mark.parametrize("payload,status,message", [
     ({"inputs": [{"name": "z", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}]},
-     400, "unknown input 'z'"),
+     400, "unexpected inference input 'z' for model 'echo'"),
     ({"inputs": [{"name": "x", "datatype": "INT32", "shape": [1, 4], "data": [0] * 4}]},
-     400, "datatype INT32, expected FP32"),
+     400, "inference input 'x' data-type is 'INT32', but model 'echo' expects 'FP32'"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4], "data": [0] * 4}]},
-     400, "rank 1, expected rank 2"),
+     400, "unexpected shape for input 'x' for model 'echo'. Expected [-1,4], got [4]"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]},
-     400, "dim 1 is 5, expected 4"),
+     400, "unexpected shape for input 'x' for model 'echo'. Expected [-1,4], got [1,5]"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 3}]},
-     400, "3 elements of data do not fill shape"),
+     400, "Failed to parse 'data' field: shape does not match true shape"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": ["a"] * 4}]},
      400, "input 'x': data is not FP32"),
     ({"inputs": []}, 400, "non-empty list"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}],
-      "outputs": [{"name": "nope"}]}, 400, "unknown output 'nope'"),
+      "outputs": [{"name": "nope"}]}, 400, "unexpected inference output 'nope' for model 'echo'"),
 ])
 def test_bad_input_gets_a_precise_400(client: TestClient, dispatcher: MemoryDispatcher,
                                       payload: dict[str, Any], status: int, message: str) -> None:
@@ -54,7 +55,7 @@ def test_malformed_json_is_400(client: TestClient) -> None:
 def test_unknown_model_is_404(client: TestClient) -> None:
     response = client.post("/v2/models/missing/infer", json=body(np.ones((1, 4), np.float32)))
     assert response.status_code == 404
-    assert response.json() == {"error": "unknown model 'missing'"}
+    assert response.json() == {"error": "Request for unknown model: 'missing' is not found"}
     assert client.get("/v2/models/missing").status_code == 404
     assert client.post("/v2/models/echo/versions/2/infer", json={}).status_code == 404
 
@@ -160,3 +161,31 @@ def test_importing_the_module_builds_no_application() -> None:
     import api.main
 
     assert callable(api.main.create_app) and not hasattr(api.main, "app")
+
+
+def test_an_unexpected_error_is_500_with_an_error_body(settings: Settings,
+                                                        dispatcher: MemoryDispatcher,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug answers ``{"error": ...}`` like every other error (tritonclient decodes it),
+    naming only the exception's type."""
+    async def broken(*_: object) -> None:
+        raise RuntimeError("/secret/path")
+
+    monkeypatch.setattr("api.routes.statistics", broken)
+    with TestClient(create_app(settings, dispatcher, grpc=False),
+                    raise_server_exceptions=False) as client:
+        response = client.get("/v2/models/stats")
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal error: RuntimeError"}
+
+
+def test_the_server_name_is_a_setting(dispatcher: MemoryDispatcher) -> None:
+    with serve(unit_settings(server_name="triton"), dispatcher) as client:
+        assert client.get("/v2").json()["name"] == "triton"
+
+
+@pytest.mark.parametrize("ready", ["yes", 1, [True], None])
+def test_repository_index_wants_a_boolean_ready(client: TestClient, ready: object) -> None:
+    response = client.post("/v2/repository/index", json={"ready": ready})
+    assert response.status_code == 400
+    assert response.json() == {"error": "Invalid value for 'ready': expected a boolean"}

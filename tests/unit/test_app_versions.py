@@ -75,6 +75,17 @@ def test_a_version_not_served_and_a_batch_dim_are_refused(client: TestClient) ->
         assert response.json() == {
             "error": "Request for unknown model: 'v' version 3 is not found"}
     response = client.post("/v2/models/v/infer", json=body([1, 3]))
-    assert response.status_code == 400 and "rank" in response.json()["error"]
+    assert response.status_code == 400
+    assert "Expected [3], got [1,3]" in response.json()["error"]
     job = client.post("/v1/jobs", json={"model": "v", **body([3])})
     assert job.status_code == 400 and "has no batch dim" in job.json()["error"]
+
+
+def test_a_version_is_read_as_a_number(client: TestClient, seen: list[Request]) -> None:
+    response = client.post("/v2/models/v/versions/01/infer", json=body([3]))
+    assert response.status_code == 200, response.text
+    assert response.json()["model_version"] == "1" and seen[-1].params[VERSION] == "1"
+    response = client.post("/v2/models/v/versions/x/infer", json=body([3]))
+    assert response.status_code == 400
+    assert "failed to get model version from specified version string 'x'" in \
+        response.json()["error"]

@@ -63,7 +63,7 @@ def make_loop(max_batch_size: int = 8) -> tuple[InferenceLoop, MemoryStreams, Ti
         MODEL, "python", max_batch_size,
         inputs=(TensorSpec("x", "FP32", (-1, 4)),),
         outputs=(TensorSpec("y", "FP32", (-1, 4)), TensorSpec("batch_rows", "INT64", (-1, 1))),
-        batching=BatchingConfig(adaptive=False))
+        batching=BatchingConfig(max_queue_delay_us=0, adaptive=False))
     streams = MemoryStreams(KEYS.queues(MODEL, config.queue.priority_levels))
     model = Tiny(streams)
     loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),

@@ -70,7 +70,8 @@ class Sleepy:
 def make_loop(pipelined: bool = True) -> tuple[InferenceLoop, MemoryStreams, Sleepy]:
     config = ModelConfig(
         MODEL, "python", ROWS, inputs=(TensorSpec("x", "FP32", (-1, 4)),),
-        outputs=(TensorSpec("y", "FP32", (-1, 4)),), batching=BatchingConfig(adaptive=False))
+        outputs=(TensorSpec("y", "FP32", (-1, 4)),),
+        batching=BatchingConfig(max_queue_delay_us=0, adaptive=False))
     streams = MemoryStreams(KEYS.queues(MODEL, config.queue.priority_levels))
     model = Sleepy(streams)
     loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),

@@ -53,7 +53,7 @@ def request(array: npt.NDArray[Any], **params: Any) -> Request:
 
 def test_each_batch_runs_the_version_its_requests_asked_for() -> None:
     config = ModelConfig("v", "python", 8, inputs=(TensorSpec("x", "FP32", (-1, 2)),),
-                         batching=BatchingConfig(adaptive=False), versions=("1", "2"))
+                         batching=BatchingConfig(0, adaptive=False), versions=("1", "2"))
     models = {"1": Times(1.0), "2": Times(2.0)}
     loop, streams = loop_of(config, models)
     ones = np.ones((1, 2), np.float32)

@@ -1,0 +1,193 @@
+"""What one inference request costs Redis: commands, bytes in and out, and server CPU.
+
+Usage: python -m bench.redis_cost [--duration S] [--concurrency C] [--out bench/RESULTS-redis.md]
+
+Serves two ONNX models through conveyor (``python -m api.serve`` with one API process, a
+Celery worker, an own redis-server): mlp_tiny (64 FP32 in, 10 out: a 256-byte tensor) and
+``image_mean``, a 224x224x3 UINT8 image in (150,528 bytes, ResNet-50's input) and its 3
+channel means out. Each is loaded with the binary tensor extension (wrk, closed loop); Redis's
+own counters (``INFO commandstats``, ``total_net_input_bytes`` / ``total_net_output_bytes``,
+``used_cpu_sys`` + ``used_cpu_user``), reset before and read after, are divided by the
+requests answered. From the CPU per request: the request rate at which one Redis core
+(the main thread, which runs every command) would be saturated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+from torch import nn
+
+from bench.models import export_onnx
+from conveyor.bench_load import run_wrk
+from conveyor.bench_request import Input, binary_body
+from conveyor.harness import ProcessGroup, RedisServer, free_port, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE = (224, 224, 3)
+COMMAND = "python -m bench.redis_cost"
+
+
+class ImageMean(nn.Module):
+    """UINT8 images [n, 224, 224, 3] -> their channel means [n, 3] (FP32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().mean(dim=(1, 2))
+
+
+def write_repository(root: Path) -> dict[str, Input]:
+    """The two models' folders under ``root``; each model's one-row request tensor."""
+    export_onnx("mlp_tiny", root / "mlp_tiny" / "model.onnx")
+    (root / "image_mean").mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # the TorchScript exporter: the newer one needs onnxscript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(ImageMean(), (torch.zeros(1, *IMAGE, dtype=torch.uint8),),
+                          str(root / "image_mean" / "model.onnx"), input_names=["INPUT0"],
+                          output_names=["OUTPUT0"], dynamic_axes={"INPUT0": {0: "batch"},
+                                                                  "OUTPUT0": {0: "batch"}},
+                          dynamo=False)
+    rng = np.random.default_rng(0)
+    return {"mlp_tiny": Input("INPUT0", "FP32", rng.standard_normal((1, 64), np.float32)),
+            "image_mean": Input("INPUT0", "UINT8",
+                                rng.integers(0, 256, (1, *IMAGE), dtype=np.uint8))}
+
+
+@dataclass(frozen=True)
+class Cost:
+    model: str
+    request_bytes: int
+    requests: int
+    commands: dict[str, float]
+    """calls per request, by command"""
+    bytes_in: float
+    bytes_out: float
+    cpu_us: float
+
+
+def snapshot(client: redis.Redis) -> tuple[float, int, int]:
+    info = client.info()
+    return (float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
+            int(info["total_net_input_bytes"]), int(info["total_net_output_bytes"]))
+
+
+def measure(model: str, tensor: Input, args: argparse.Namespace, work: Path) -> Cost:
+    """One stack serving ``model``; the Redis counters over a measured wrk run."""
+    api_port = free_port()
+    url = f"http://127.0.0.1:{api_port}"
+    with ExitStack() as stack:
+        server = stack.enter_context(RedisServer(work))
+        env = {**os.environ, "CONVEYOR_REDIS_URL": server.url, "CONVEYOR_MODELS": model,
+               "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_API_WORKERS": "1",
+               "CONVEYOR_HTTP_PORT": str(api_port), "CONVEYOR_GRPC_PORT": str(free_port()),
+               "CONVEYOR_WORKER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+        stack.enter_context(running([
+            ProcessGroup("api", [sys.executable, "-m", "api.serve"], env, work / "api.log", cwd=ROOT),
+            ProcessGroup("worker", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+                                    "-n", f"cost-{api_port}@%h", "--loglevel", "WARNING",
+                                    "--without-mingle", "--without-gossip"], env,
+                         work / "worker.log", cwd=ROOT)], f"{url}/v2/health/ready"))
+        body = binary_body([tensor])
+        target = f"{url}/v2/models/{model}/infer"
+        run_wrk(target, body, args.concurrency, args.warmup, work)
+        client = redis.Redis.from_url(server.url)
+        try:
+            client.config_resetstat()
+            cpu0, in0, out0 = snapshot(client)
+            result = run_wrk(target, body, args.concurrency, args.duration, work)
+            cpu1, in1, out1 = snapshot(client)
+            stats = client.info("commandstats")
+        finally:
+            client.close()
+    if result.errors:
+        raise RuntimeError(f"{model}: {result.errors} requests failed")
+    n = result.requests
+    commands = {name.removeprefix("cmdstat_"): int(v["calls"]) / n for name, v in stats.items()}
+    commands.pop("info", None)  # the measurement's own
+    commands.pop("config|resetstat", None)
+    return Cost(model, len(body.content), n, dict(sorted(commands.items(), key=lambda kv: -kv[1])),
+                (in1 - in0) / n, (out1 - out0) / n, (cpu1 - cpu0) * 1e6 / n)
+
+
+@contextmanager
+def running(groups: list[ProcessGroup], ready_url: str) -> Iterator[None]:
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(ready_url, timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+    try:
+        wait_until(ready, 120, "conveyor to be ready", interval=0.2, watch=groups)
+        yield
+    finally:
+        for group in reversed(groups):
+            group.stop(20)
+
+
+def report(costs: list[Cost], args: argparse.Namespace, started: datetime) -> str:
+    lines = [
+        "# What one request costs Redis", "",
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; machine: {os.cpu_count()} CPUs; Redis "
+        f"{redis_version()}",
+        f"- command: `{' '.join([COMMAND, *sys.argv[1:]])}`",
+        f"- load: wrk, binary tensor extension, one row per request, c={args.concurrency}, "
+        f"{args.duration}s after {args.warmup}s of warm-up; one API process, one inference "
+        "process, conveyor's defaults",
+        "- per request: Redis's own counters over the run divided by the requests answered; "
+        "bytes in/out are what Redis read from and wrote to all its clients; CPU is the "
+        "server's user+system time (main thread and its I/O)",
+        "- one-core bound: 1 s / CPU per request, the rate at which Redis's main thread, which "
+        "runs every command, would be busy all the time", "",
+        "| model | request bytes | requests | commands / request | bytes in / request | "
+        "bytes out / request | Redis CPU µs / request | one-core bound, req/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in costs:
+        detail = ", ".join(f"{name} {calls:.2f}" for name, calls in c.commands.items() if calls >= 0.01)
+        lines.append(f"| {c.model} | {c.request_bytes:,} | {c.requests:,} | {sum(c.commands.values()):.2f} "
+                     f"({detail}) | {c.bytes_in:,.0f} | {c.bytes_out:,.0f} | {c.cpu_us:.1f} | "
+                     f"{1e6 / c.cpu_us:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def redis_version() -> str:
+    out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("v=")), "?")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS-redis.md")
+    args = parser.parse_args()
+    started = datetime.now(UTC)
+    with tempfile.TemporaryDirectory(prefix="conveyor-redis-cost-") as tmp:
+        work = Path(tmp)
+        tensors = write_repository(work / "repo")
+        costs = []
+        for model, tensor in tensors.items():
+            costs.append(measure(model, tensor, args, work))
+            time.sleep(1)
+    args.out.write_text(report(costs, args, started))
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
