@@ -86,7 +86,7 @@ def raw_input(body: bytes, config: ModelConfig) -> Tensor:
             f"Raw request must only have 1 input (found 1) to be deduced but got "
             f"{len(config.inputs)} inputs in '{config.name}' model configuration")
     spec = config.inputs[0]
-    inner = list(spec.shape[1:])
+    inner = list(spec.shape[1:] if config.batched else spec.shape)
     free = [i for i, d in enumerate(inner) if d == -1]
     if len(free) > 1:
         raise InvalidInput(f"The shape of the raw input '{spec.name}' can not be deduced "
@@ -99,7 +99,8 @@ def raw_input(body: bytes, config: ModelConfig) -> Tensor:
         return Tensor(spec.name, spec.datatype, shape, _LENGTH.pack(len(body)) + body)
     itemsize = to_numpy(spec.datatype).itemsize
     fixed = int(np.prod([d for d in inner if d != -1], dtype=np.int64)) * itemsize
-    if fixed == 0 or len(body) % fixed:
+    whole = config.batched or free or len(body) == fixed  # no batch dim: exactly one
+    if fixed == 0 or len(body) % fixed or not whole:
         raise InvalidInput(
             f"a raw binary request of {len(body)} bytes cannot fill input {spec.describe()}: "
             "its shape cannot be deduced from the size")
@@ -108,7 +109,8 @@ def raw_input(body: bytes, config: ModelConfig) -> Tensor:
         rows = 1
     else:
         rows = len(body) // fixed
-    return tensor_from_buffer(spec.name, spec.datatype, (rows, *inner), body, config.name)
+    shape = (rows, *inner) if config.batched else tuple(inner)
+    return tensor_from_buffer(spec.name, spec.datatype, shape, body, config.name)
 
 
 def compress(body: bytes, accept: str) -> tuple[bytes, str | None]:

@@ -110,7 +110,8 @@ def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: A
 
 def infer_response(model: str, request: InferRequest,
                    outputs: list[Tensor]) -> pb.ModelInferResponse:
-    response = pb.ModelInferResponse(model_name=model, model_version="1", id=request.id or "")
+    response = pb.ModelInferResponse(model_name=model, model_version=request.version,
+                                      id=request.id or "")
     for tensor in chosen_outputs(outputs, request.outputs):
         response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
         # an output written into shared memory keeps its place, empty (as Triton does)

@@ -28,14 +28,14 @@ from api.periodic import Periodic
 from api.proto import inference_pb2 as pb
 from api.proto import inference_pb2_grpc as pb_grpc
 from api.repository_control import Repository
-from api.routes import check_load_parameters, metadata, server_metadata
+from api.routes import load_config, metadata, server_metadata
 from api.service import InferenceService
 from api.shared_memory import CUDA_UNSUPPORTED, DISABLED, SharedMemory
 from api.stats import statistics
-from api.triton_config import triton_config
 from batching.config import ModelConfig
 from batching.errors import ConveyorError, Unsupported
 from batching.settings import Settings
+from batching.triton_config import triton_config
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.service.watch.server_ready())
 
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
-        known = request.name in self.service.models and request.version in ("", "1")
+        config = self.service.models.get(request.name)
+        known = config is not None and request.version in ("", *config.served_versions)
         return pb.ModelReadyResponse(ready=known and self.service.watch.model_ready(request.name))
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
@@ -170,8 +171,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_mapped
     async def RepositoryModelLoad(self, request: Any,
                                   context: Any) -> pb.RepositoryModelLoadResponse:
-        check_load_parameters(parameters(request.parameters))
-        await self.repository.load(request.model_name)
+        config = load_config(parameters(request.parameters))
+        await self.repository.load(request.model_name, config)
         return pb.RepositoryModelLoadResponse()
 
     @_mapped

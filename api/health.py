@@ -39,6 +39,8 @@ class ModelWorkers:
     """Epoch seconds when the newest of them failed."""
     reason: str = ""
     """Why the newest of them failed, as its supervisor reported it."""
+    configs: set[str] = field(default_factory=set)
+    """The configuration digests the ready processes run (batching.repository_scan)."""
 
 
 class WorkerWatch:
@@ -65,6 +67,11 @@ class WorkerWatch:
 
     def model_ready(self, model: str) -> bool:
         return self._dispatcher.redis_ok and self.view.get(model, ModelWorkers()).ready > 0
+
+    def ready_with(self, model: str, digest: str) -> bool:
+        """Some process runs the model, ready, with the configuration of ``digest`` (and
+        none runs another: a reload has replaced them all)."""
+        return self.model_ready(model) and self.view[model].configs == {digest}
 
     def model_served(self, model: str) -> bool:
         """Some worker process served the model lately, even if it is loading or being
@@ -114,6 +121,8 @@ class WorkerWatch:
                     workers.alive += state.get("state") != "failed"
                 if age <= self._stale_s:
                     workers.ready += state.get("state") == "ready"
+                    if state.get("state") == "ready":
+                        workers.configs.add(str(state.get("config", "")))
                     workers.states.append(state)
                     if state.get("state") == "failed":
                         workers.failed += 1

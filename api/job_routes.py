@@ -95,6 +95,9 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             if not isinstance(model, str):
                 raise InvalidInput("'model' must name the model to run")
             config = service.model(model)
+            if not config.batched:
+                raise InvalidInput(f"model {model!r} has no batch dim (max_batch_size 0): a "
+                                   "job feeds its rows in chunks, so it needs one")
             job_config = replace(config, max_batch_size=MAX_JOB_ROWS)
             parsed = (await asyncio.to_thread(parse_document, doc, binary, job_config)
                       if claim.held else parse_document(doc, binary, job_config))

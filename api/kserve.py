@@ -50,6 +50,8 @@ class InferRequest:
     data until :meth:`api.shared_memory.SharedMemory.bind` reads it."""
     shm_outputs: dict[str, ShmRef] = field(default_factory=dict)
     """Outputs to write into a shared memory region; the response carries no data for them."""
+    version: str = "1"
+    """The model version that answers (set by the service once the model is known)."""
 
     def binary(self, output: str) -> bool:
         """A listed output is binary only when it says so itself, whatever
@@ -331,7 +333,8 @@ def render(model: str, request: InferRequest, outputs: list[Tensor]) -> tuple[by
             blobs.append(tensor.raw)
         else:
             described.append(_json_output(tensor))
-    body: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described}
+    body: dict[str, Any] = {"model_name": model, "model_version": request.version,
+                            "outputs": described}
     if request.id is not None:
         body["id"] = request.id
     header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

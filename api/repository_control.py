@@ -25,23 +25,27 @@ from typing import Any
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.periodic import Periodic
-from batching.config import ModelConfig
+from batching.config import ConfigError, ModelConfig
 from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
 from batching.keys import Keys
 from batching.names import model_folder, require_folder, unknown_model
 from batching.redis_errors import REDIS_FAILED
 from batching.repository_scan import (
     as_text,
+    config_digest,
     failure_reason,
     is_model_folder,
     load_model_config,
     model_folders,
     parse_record,
     record_value,
+    served_versions,
     stale_entries,
     state_rows,
     status_table,
+    version_folders,
 )
+from batching.triton_repository import json_config
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,8 @@ class Repository:
         await self.sync()
         rows = state_rows(self._models, self._failed, self._unloaded)
         level = logging.WARNING if self._failed else logging.INFO  # seen by default then
-        log.log(level, "model repository %s:\n%s", self.root, status_table(rows))
+        log.log(level, "model repository %s:\n%s", self.root,
+                status_table(rows, served_versions(self._models)))
         self._loop.start()
 
     async def close(self) -> None:
@@ -118,7 +123,8 @@ class Repository:
                 self._drop(name)
             elif record.state == "loaded":
                 try:
-                    self._add(name, await asyncio.to_thread(load_model_config, folder))
+                    self._add(name, await asyncio.to_thread(load_model_config, folder,
+                                                            record.config))
                 except Exception as exc:  # one model's config never stops the others
                     self._failed[name] = failure_reason(folder, exc)
                     log.error("cannot load %s: %s", name, self._failed[name])
@@ -138,9 +144,10 @@ class Repository:
         self._unloaded.add(name)
         log.info("model %s unloaded", name)
 
-    async def _record(self, name: str, state: str) -> float:
+    async def _record(self, name: str, state: str,
+                      config: dict[str, Any] | None = None) -> float:
         at = time.time()
-        value = record_value(state, at)
+        value = record_value(state, at, config)
         try:
             await self._dispatcher.redis.hset(self._keys.repository(), name, value)
         except REDIS_FAILED as exc:
@@ -157,21 +164,28 @@ class Repository:
             raise unknown_model(name)
         return folder
 
-    async def load(self, name: str) -> None:
-        """Read the model's folder again, mark it loaded, and wait until a worker serves
-        it, or reports that it failed to load."""
+    async def load(self, name: str, config_json: str | None = None) -> None:
+        """Read the model's folder again (with ``config_json``, a ModelConfig in Triton's
+        JSON form, in place of its configuration file), mark it loaded, and wait until a
+        worker serves it, or reports that it failed to load."""
         folder = self._folder(name)
         if not is_model_folder(folder):
             raise unknown_model(name)
         try:
-            config = await asyncio.to_thread(load_model_config, folder)
-        except Exception as exc:  # the config's fault, reported to the caller
+            override = None if config_json is None else json_config(name, config_json)
+            config = await asyncio.to_thread(load_model_config, folder, override)
+        except ConfigError as exc:  # the client's config: reported to it, the model unchanged
+            if config_json is None:
+                self._failed[name] = failure_reason(folder, exc)
+            raise InvalidInput(f"load failed for model {name!r}: "
+                               f"{failure_reason(folder, exc)}") from None
+        except Exception as exc:  # the folder's fault, reported to the caller
             self._failed[name] = failure_reason(folder, exc)
             raise InvalidInput(f"load failed for model {name!r}: {self._failed[name]}") from None
-        recorded = await self._record(name, "loaded")
+        recorded = await self._record(name, "loaded", override)
         self._add(name, config)
         deadline = time.monotonic() + LOAD_READY_TIMEOUT_S
-        while not self._watch.model_ready(name):
+        while not self._watch.ready_with(name, config_digest(override)):
             failure = self._watch.failure(name)
             if failure is not None and failure[0] > recorded:
                 raise InvalidInput(f"load failed for model {name!r}: {failure[1]}")
@@ -204,10 +218,14 @@ class Repository:
             state, reason = await self._state(name, folder, reasons)
             if ready_only and state != "READY":
                 continue
-            entry = {"name": name, "version": "1", "state": state}
-            if reason:
-                entry["reason"] = reason
-            entries.append(entry)
+            config = self._models.get(name)
+            versions = (config.served_versions if config is not None
+                        else [str(v) for v in version_folders(folder)] or ["1"])
+            for version in versions:
+                entry = {"name": name, "version": version, "state": state}
+                if reason:
+                    entry["reason"] = reason
+                entries.append(entry)
         return entries
 
     async def _state(self, name: str, folder: Path, reasons: bool) -> tuple[str, str]:

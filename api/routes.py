@@ -18,9 +18,9 @@ from api.kserve import json_object
 from api.repository_control import Repository
 from api.service import InferenceService
 from api.stats import statistics
-from api.triton_config import triton_config
 from batching.config import ModelConfig
 from batching.errors import ConveyorError, InvalidInput, Overloaded, Unavailable
+from batching.triton_config import triton_config
 
 VERSION = "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "parameters",
@@ -40,7 +40,7 @@ def server_metadata(name: str) -> dict[str, Any]:
 def metadata(config: ModelConfig) -> dict[str, Any]:
     return {
         "name": config.name,
-        "versions": ["1"],
+        "versions": list(config.served_versions),
         "platform": config.backend,
         "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
                    for t in config.inputs],
@@ -57,14 +57,22 @@ async def json_body(request: Request) -> dict[str, Any]:
     return json_object(raw)
 
 
-def check_load_parameters(parameters: Any) -> None:
-    """conveyor loads models from their folder only: no config override, no uploaded files."""
+def load_config(parameters: Any) -> str | None:
+    """A load's ``config`` parameter (a ModelConfig in Triton's JSON form), if given.
+    Model files come from the model's folder only, never from a client: ``file:`` is
+    refused."""
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be an object")
-    unsupported = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
-    if unsupported:
-        raise InvalidInput(f"load parameters {unsupported} are not supported: conveyor loads "
-                           "a model from its folder in the repository")
+    files = sorted(k for k in parameters if k.startswith("file:"))
+    if files:
+        raise InvalidInput(f"load parameters {files} are not supported: conveyor loads a "
+                           "model's files from its folder in the repository, never from a "
+                           "client")
+    config = parameters.get("config")
+    if config is not None and not isinstance(config, str):
+        raise InvalidInput("load parameter 'config' must be a string holding the model "
+                           "configuration as JSON")
+    return config
 
 
 def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
@@ -142,8 +150,8 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
 
     @app.post("/v2/repository/models/{model}/load")
     async def load(model: str, request: Request) -> JSONResponse:
-        check_load_parameters((await json_body(request)).get("parameters") or {})
-        await repository.load(model)
+        config = load_config((await json_body(request)).get("parameters") or {})
+        await repository.load(model, config)
         return JSONResponse({})
 
     @app.post("/v2/repository/models/{model}/unload")

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from api.body import BodyLimits
 from api.dispatch import Admission
@@ -15,7 +16,7 @@ from api.kserve import InferRequest
 from api.metrics import ApiMetrics
 from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
-from batching.envelope import Reply, Request
+from batching.envelope import VERSION, WHOLE, Reply, Request
 from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
 from batching.keys import Keys
 from batching.names import (
@@ -48,7 +49,7 @@ class InferenceService:
     """System shared memory regions; None: a tensor that names one finds none."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
-        """The loaded model ``name``; conveyor serves one version, "1" (or "" for latest)."""
+        """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
@@ -57,7 +58,7 @@ class InferenceService:
                 raise no_available_versions(name, f"unavailable: {self.broken[name]}")
             raise unknown_model(name)
         number = requested_version(version)
-        if number not in (None, 1):
+        if number is not None and str(number) not in config.served_versions:
             raise unknown_version(name, number)
         return config
 
@@ -76,9 +77,12 @@ class InferenceService:
         except ConveyorError as exc:
             self._count(UNKNOWN_MODEL, exc.code, started)
             raise
+        number = requested_version(version)  # "007" asks for version 7
+        version = "" if number is None else str(number)
         regions: Binding | None = None
         try:
             parsed = await parse(config)
+            parsed.version = version or config.served_versions[-1]
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
@@ -101,7 +105,7 @@ class InferenceService:
                 prio=priority,
                 inputs=parsed.inputs,
                 outputs=parsed.outputs,
-                params=_cost(parsed),
+                params=_params(parsed, config, version),
             )
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
                                   parsed.rows, config.queue.max_queue_rows)
@@ -148,7 +152,18 @@ def requested_priority(parsed: InferRequest, levels: int, default: int, default_
     return raw or default
 
 
-def _cost(parsed: InferRequest) -> dict[str, float]:
+def _params(parsed: InferRequest, config: ModelConfig, version: str) -> dict[str, Any]:
+    """What travels with the request to the worker: its cost, its model version (a model
+    with version folders), and whether it is one whole unit (no batch dim)."""
+    params: dict[str, Any] = _cost(parsed)
+    if config.versions:
+        params[VERSION] = version or config.versions[-1]
+    if not config.batched:
+        params[WHOLE] = 1
+    return params
+
+
+def _cost(parsed: InferRequest) -> dict[str, Any]:
     """``parameters.cost`` (tokens, pixels...) travels to the batch former's cost bound."""
     cost = parsed.parameters.get("cost")
     if cost is None:

@@ -11,6 +11,7 @@ from batching.config_schema import (
     BACKENDS,
     BatchingSchema,
     ConfigError,
+    ConfigSchema,
     CpuThreadsSchema,
     InstanceSchema,
     QueueSchema,
@@ -20,12 +21,13 @@ from batching.config_schema import (
 )
 
 __all__ = ["BACKENDS", "BatchingConfig", "ConfigError", "CpuThreads", "InstanceGroup",
-           "ModelConfig", "QueueConfig", "TensorSpec"]
+           "ModelConfig", "QueueConfig", "TensorSpec", "VersionPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One input or output. ``shape`` includes the batch dim first; -1 is variable."""
+    """One input or output. ``shape`` includes the batch dim first (none when the model's
+    ``max_batch_size`` is 0); -1 is variable."""
 
     name: str
     datatype: str
@@ -34,6 +36,9 @@ class TensorSpec:
     """Inputs: a variable axis padded to the longest in a batch, so ragged requests share
     one. Outputs: the axis that follows the padded input axis, cut back per request."""
     pad_value: float = 0
+    reshape: tuple[int, ...] | None = None
+    """The shape (less the batch dim) the model itself takes or gives (Triton's
+    ``reshape``), when not ``shape``'s."""
 
     def describe(self) -> str:
         return f"{self.name} {self.datatype} {list(self.shape)}"
@@ -89,6 +94,25 @@ class CpuThreads:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionPolicy:
+    """Which version folders a model serves: ``kind`` is "latest" (the newest ``latest``),
+    "all", or "specific" (``specific``)."""
+
+    kind: str = "latest"
+    latest: int = 1
+    specific: tuple[int, ...] = ()
+
+    def choose(self, found: list[int]) -> list[int]:
+        """The versions served out of the version folders ``found``, ascending."""
+        ordered = sorted(found)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.specific]
+        return ordered[-self.latest:]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str
@@ -105,6 +129,30 @@ class ModelConfig:
     instances: tuple[InstanceGroup, ...] = (InstanceGroup(),)
     cpu_threads: CpuThreads = field(default_factory=CpuThreads)
     parameters: dict[str, Any] = field(default_factory=dict)
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    versions: tuple[str, ...] = ()
+    """The version folders served, ascending; () for a model whose artifact lies in its
+    folder itself, served as version "1"."""
+    model_filename: str | None = None
+
+    @property
+    def batched(self) -> bool:
+        """False for ``max_batch_size: 0``: no batch dim, each request runs alone."""
+        return self.max_batch_size > 0
+
+    @property
+    def batch_rows(self) -> int:
+        """The rows one batch may hold (a model without a batch dim: one request)."""
+        return max(1, self.max_batch_size)
+
+    @property
+    def served_versions(self) -> tuple[str, ...]:
+        return self.versions or ("1",)
+
+    @property
+    def artifact(self) -> str:
+        """The artifact's file name in the model (or version) folder."""
+        return self.model_filename or BACKENDS[self.backend]
 
     def input(self, name: str) -> TensorSpec | None:
         for spec in self.inputs:
@@ -140,10 +188,24 @@ class ModelConfig:
             cpu_threads=CpuThreads(intra_op_threads(schema, chosen), threads.inter_op,
                                    threads.spin),
             parameters=dict(schema.parameters or {}),
+            version_policy=_policy(schema),
+            model_filename=schema.model_filename,
         )
+
+
+def _policy(schema: ConfigSchema) -> VersionPolicy:
+    policy = schema.version_policy
+    if policy is None:
+        return VersionPolicy()
+    if policy.latest is not None:
+        return VersionPolicy("latest", policy.latest)
+    if policy.specific is not None:
+        return VersionPolicy("specific", specific=tuple(policy.specific))
+    return VersionPolicy("all")
 
 
 def _tensor(spec: TensorSchema) -> TensorSpec:
     pad = spec.pad
     return TensorSpec(spec.name, spec.datatype, tuple(spec.shape),
-                      pad.axis if pad else None, pad.value if pad else 0)
+                      pad.axis if pad else None, pad.value if pad else 0,
+                      None if spec.reshape is None else tuple(spec.reshape))

@@ -1,7 +1,8 @@
-"""Validation of a ``config.yaml``: strict pydantic models of its keys, then the checks that
-span keys. Every failure is one :class:`ConfigError` naming the model folder, the key path
-(``queue.priority_levels``, ``inputs[0].shape``) and the reason; nothing is coerced, so a
-quoted number or a boolean where an integer belongs is refused."""
+"""Validation of a ``config.yaml`` (read by :mod:`batching.config_yaml`): strict pydantic
+models of its keys, then the checks that span keys. Every failure is one
+:class:`ConfigError` naming the model folder, the key path (``queue.priority_levels``,
+``inputs[0].shape``) and the reason; nothing is coerced, so a quoted number or a boolean
+where an integer belongs is refused."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ import difflib
 import math
 import re
 import reprlib
-from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
@@ -77,6 +76,8 @@ class TensorSchema(_Section):
     shape: Annotated[list[Annotated[int, Field(le=INT64_MAX), AfterValidator(_dim)]],
                      Field(min_length=1)]
     pad: PadSchema | None = None
+    reshape: list[Annotated[int, Field(ge=1, le=INT64_MAX)]] | None = None
+    """The shape (less the batch dim) the model takes or gives, when not ``shape``'s."""
 
 
 class BatchingSchema(_Section):
@@ -108,9 +109,24 @@ class CpuThreadsSchema(_Section):
     spin: bool = False
 
 
+class VersionPolicySchema(_Section):
+    """Which version folders are served: the newest ``latest``, ``all``, or ``specific``."""
+
+    latest: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    all: bool | None = None
+    specific: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+
+
+def _filename(value: str) -> str:
+    if not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise PydanticCustomError("filename", "must be a file name, with no folder in it")
+    return value
+
+
 class ConfigSchema(_Section):
     backend: Annotated[str, AfterValidator(_backend)] | None = None
-    max_batch_size: Annotated[int, Field(ge=1, le=INT32_MAX)] = 64
+    max_batch_size: Annotated[int, Field(ge=0, le=INT32_MAX)] = 64
+    """0: the model has no batch dim; each request runs alone, its shapes as given."""
     inputs: list[TensorSchema] | None = None
     outputs: list[TensorSchema] | None = None
     batching: BatchingSchema | None = None
@@ -121,6 +137,9 @@ class ConfigSchema(_Section):
     instances: list[InstanceSchema] | None = None
     cpu_threads: CpuThreadsSchema | None = None
     parameters: dict[str, Any] | None = None
+    version_policy: VersionPolicySchema | None = None
+    model_filename: Annotated[str, AfterValidator(_filename)] | None = None
+    """The artifact's file name, when not the backend's (``default_model_filename``)."""
     platform: str | None = None
     """Accepted for compatibility with Triton's configs, and ignored."""
 
@@ -130,6 +149,7 @@ _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     ("instances",): InstanceSchema, ("cpu_threads",): CpuThreadsSchema,
     ("inputs",): TensorSchema, ("outputs",): TensorSchema,
     ("inputs", "pad"): PadSchema, ("outputs", "pad"): PadSchema,
+    ("version_policy",): VersionPolicySchema,
 }
 
 
@@ -150,64 +170,6 @@ def parse_config(model: str, raw: Any, artifact: str | None) -> tuple[ConfigSche
     return schema, backend
 
 
-def parse_yaml(model: str, text: bytes) -> dict[str, Any]:
-    """The mapping a ``config.yaml`` holds (empty for an empty file)."""
-    try:
-        node, document = _load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        reason = ", ".join(text for text in (exc.context, exc.problem) if text)
-        raise ConfigError(f"{model}: config.yaml{where}: {reason}") from None
-    except yaml.reader.ReaderError as exc:
-        line = text[:exc.position].count(b"\n") + 1
-        raise ConfigError(f"{model}: config.yaml line {line}: not UTF-8 text or a special "
-                          f"character ({exc.reason})") from None
-    except RecursionError:
-        raise ConfigError(f"{model}: config.yaml nests too deeply") from None
-    if node is None or document is None:
-        return {}
-    twice = _duplicate_key(node)
-    if twice is not None:
-        raise ConfigError(f"{model}: config.yaml line {twice.start_mark.line + 1}: duplicate "
-                          f"key {_short(twice.value)}")
-    if not isinstance(document, dict):
-        raise ConfigError(f"{model}: config.yaml line {node.start_mark.line + 1}: must be a "
-                          f"mapping of keys, got {_kind(document)}")
-    return document
-
-
-def _load(text: bytes) -> tuple[yaml.Node | None, Any]:
-    """The document's root node (for its line) and the document (None when empty)."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        return node, None if node is None else loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def _duplicate_key(root: yaml.Node) -> yaml.Node | None:
-    """The first key that repeats within one mapping (YAML forbids it; PyYAML keeps the last)."""
-    stack, visited = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            keys: set[tuple[str, str]] = set()
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
-                    if (key.tag, key.value) in keys:
-                        return key
-                    keys.add((key.tag, key.value))
-                stack += [key, value]
-        elif isinstance(node, yaml.SequenceNode):
-            stack += node.value
-    return None
-
-
 def _error(model: str, problems: list[str]) -> ConfigError:
     shown = problems[:_MAX_ISSUES]
     more = len(problems) - len(shown)
@@ -226,11 +188,11 @@ def _describe(error: ErrorDetails) -> str:
     if kind in ("extra_forbidden", "invalid_key"):
         return _unknown_key(loc)
     if loc[-1:] == ("[key]",):
-        return f"{_path(loc[:-2])} has a key {_short(loc[-2])} that is not a string"
+        return f"{_path(loc[:-2])} has a key {short_repr(loc[-2])} that is not a string"
     where = _path(loc) or "config.yaml"
     if kind == "missing":
         return f"{where} is required"
-    return f"{where} {_reason(error)}, got {_short(value)}{_hint(kind, value)}"
+    return f"{where} {_reason(error)}, got {short_repr(value)}{_hint(kind, value)}"
 
 
 def _unknown_key(loc: tuple[int | str, ...]) -> str:
@@ -240,8 +202,8 @@ def _unknown_key(loc: tuple[int | str, ...]) -> str:
     known = sorted(section.model_fields) if section else []
     close = difflib.get_close_matches(str(key), known, n=1)
     if close:
-        return f"unknown key {_short(key)}{where} (did you mean {close[0]!r}?)"
-    return f"unknown key {_short(key)}{where} (known keys: {', '.join(known)})"
+        return f"unknown key {short_repr(key)}{where} (did you mean {close[0]!r}?)"
+    return f"unknown key {short_repr(key)}{where} (known keys: {', '.join(known)})"
 
 
 def _reason(error: ErrorDetails) -> str:
@@ -285,11 +247,13 @@ _REPR.maxlist = _REPR.maxdict = 4
 _REPR.maxlevel = 2
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
+    """A value as an error message shows it: at most 60 characters, 4 items, 2 levels."""
     return _REPR.repr(value)
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """What a YAML value is, in words ("a list", "an integer"...)."""
     return {list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number"}.get(type(value), type(value).__name__)
 
@@ -301,8 +265,14 @@ def _cross_checks(schema: ConfigSchema, backend: str) -> list[str]:
         problems.append(f"queue.default_priority must be within 1..priority_levels "
                         f"({queue.priority_levels}), got {queue.default_priority}")
     for key in ("inputs", "outputs"):
-        problems += _tensor_checks(key, getattr(schema, key) or [])
+        problems += _tensor_checks(key, getattr(schema, key) or [], schema.max_batch_size > 0)
     problems += _thread_checks(schema, backend)
+    policy = schema.version_policy
+    if policy is not None and sum(p is not None for p in (policy.latest, policy.all,
+                                                         policy.specific)) != 1:
+        problems.append("version_policy must give exactly one of latest, all, specific")
+    elif policy is not None and policy.all is False:
+        problems.append("version_policy.all must be true (or give latest or specific)")
     return problems
 
 
@@ -320,7 +290,7 @@ def _thread_checks(schema: ConfigSchema, backend: str) -> list[str]:
         return problems
     threads = (schema.parameters or {})["threads"]
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        problems.append(f"parameters.threads must be an integer >= 1, got {_short(threads)}")
+        problems.append(f"parameters.threads must be an integer >= 1, got {short_repr(threads)}")
     elif cpu is not None and cpu.intra_op is not None:
         problems.append("parameters.threads and cpu_threads.intra_op both set the intra-op "
                         "threads: keep cpu_threads.intra_op")
@@ -336,7 +306,7 @@ def intra_op_threads(schema: ConfigSchema, backend: str) -> int | None:
     return threads if isinstance(threads, int) else None
 
 
-def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:
+def _tensor_checks(key: str, tensors: list[TensorSchema], batched: bool) -> list[str]:
     problems: list[str] = []
     seen: dict[str, int] = {}
     for i, tensor in enumerate(tensors):
@@ -344,8 +314,14 @@ def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:
         if tensor.name in seen:
             problems.append(f"{where}.name {tensor.name!r} is also {key}[{seen[tensor.name]}]'s")
         seen.setdefault(tensor.name, i)
+        if tensor.reshape is not None:
+            problems += _reshape_checks(where, tensor, batched)
         pad = tensor.pad
         if pad is None:
+            continue
+        if not batched:
+            problems.append(f"{where}.pad needs a batch dim (max_batch_size: 0 runs each "
+                            "request alone)")
             continue
         if not 1 <= pad.axis < len(tensor.shape) or tensor.shape[pad.axis] != -1:
             problems.append(f"{where}.pad.axis must name a variable (-1) axis after the batch "
@@ -353,6 +329,16 @@ def _tensor_checks(key: str, tensors: list[TensorSchema]) -> list[str]:
         if key == "inputs" and not _fits(tensor.datatype, pad.value):
             problems.append(f"{where}.pad.value {pad.value:g} does not fit {tensor.datatype}")
     return problems
+
+
+def _reshape_checks(where: str, tensor: TensorSchema, batched: bool) -> list[str]:
+    dims = tensor.shape[1:] if batched else tensor.shape
+    if -1 in dims or tensor.pad is not None:
+        return [f"{where}.reshape needs fixed dims (no -1, no pad), got {tensor.shape}"]
+    if math.prod(dims) != math.prod(tensor.reshape or []):
+        return [f"{where}.reshape {tensor.reshape} does not hold the {math.prod(dims)} "
+                f"elements of {dims}"]
+    return []
 
 
 def _fits(datatype: str, value: float) -> bool:
@@ -365,12 +351,3 @@ def _fits(datatype: str, value: float) -> bool:
         low = -(2**bits) if dtype.kind == "i" else 0
         return math.isfinite(value) and value == int(value) and low <= value < 2**bits
     return True
-
-
-def read_config_yaml(model: str, path: Path) -> dict[str, Any]:
-    """The mapping in the ``config.yaml`` at ``path`` of model folder ``model``."""
-    try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{model}: config.yaml cannot be read ({exc.strerror})") from None
-    return parse_yaml(model, text)

@@ -23,6 +23,12 @@ FIELD = b"d"
 """The field of a request stream entry that holds the packed request."""
 ROWS_FIELD = b"r"
 """The field holding the request's rows, readable even when the request is not."""
+WHOLE = "whole"
+"""``params`` key of a request to a model without a batch dim: it counts as one row,
+whatever its shapes, and runs alone."""
+VERSION = "version"
+"""``params`` key naming the model version a request asked for (a model with version
+folders; absent: the newest served)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +66,8 @@ class Request:
 
     @property
     def rows(self) -> int:
+        if self.params.get(WHOLE):
+            return 1
         return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
 
     def encode(self) -> bytes:

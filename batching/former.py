@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from batching.config import ModelConfig
-from batching.envelope import Request, split_rows
+from batching.envelope import VERSION, Request, split_rows
 from batching.policy import Decision, Policy
 
 
@@ -44,7 +44,8 @@ class Entry:
         return float(self.request.params.get("cost", self.rows))
 
 
-ShapeKey = tuple[tuple[str, tuple[int, ...]], ...]
+ShapeKey = tuple[str, tuple[tuple[str, tuple[int, ...]], ...]]
+"""The model version asked for, and each input's name and dims."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +64,15 @@ class Layout:
                    {t.name: t.pad_axis for t in config.outputs if t.pad_axis is not None})
 
     def key(self, request: Request) -> ShapeKey:
-        """Requests stack together only when this agrees: every dim but padded axes."""
+        """Requests stack together only when this agrees: the model version, and every
+        dim but padded axes."""
         parts = []
         for tensor in request.inputs:
             dims = list(tensor.shape[1:])
             if tensor.name in self.pad:
                 dims[self.pad[tensor.name][0] - 1] = -1
             parts.append((tensor.name, tuple(dims)))
-        return tuple(parts)
+        return str(request.params.get(VERSION, "")), tuple(parts)
 
     def length(self, request: Request) -> int | None:
         """The request's own length along the first padded input's axis."""

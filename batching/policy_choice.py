@@ -12,11 +12,13 @@ from batching.policy import FixedWindow, TunablePolicy
 
 
 def make_policy(config: ModelConfig) -> TunablePolicy:
-    """The policy of one inference instance: adaptive, or Triton's fixed window."""
+    """The policy of one inference instance: adaptive, or Triton's fixed window. A model
+    without a batch dim runs one request a batch: it never waits for a second."""
     batching = config.batching
-    delay_s = batching.max_queue_delay_us / 1e6
-    preferred = tuple(sorted(p for p in batching.preferred_batch_sizes if 0 < p <= config.max_batch_size))
+    rows = config.batch_rows
+    delay_s = batching.max_queue_delay_us / 1e6 if config.batched else 0.0
+    preferred = tuple(sorted(p for p in batching.preferred_batch_sizes if 0 < p <= rows))
     if not batching.adaptive:
-        return FixedWindow(config.max_batch_size, delay_s, preferred)
-    return AdaptivePolicy(config.max_batch_size, max_delay_s=delay_s, preferred=preferred,
+        return FixedWindow(rows, delay_s, preferred)
+    return AdaptivePolicy(rows, max_delay_s=delay_s, preferred=preferred,
                           latency_target_s=batching.latency_target_ms / 1000.0)

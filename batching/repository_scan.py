@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -11,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from batching.config import BACKENDS, ConfigError, ModelConfig, TensorSpec
-from batching.config_schema import read_config_yaml
+from batching.config_yaml import read_config_yaml
 from batching.names import model_folder
+from batching.triton_repository import pbtxt_config
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +32,97 @@ def artifact_backend(folder: Path) -> str | None:
     return None
 
 
-def load_model_config(folder: Path) -> ModelConfig:
-    config_file = folder / "config.yaml"
-    raw = read_config_yaml(folder.name, config_file) if config_file.exists() else {}
-    config = ModelConfig.from_dict(folder.name, raw, artifact_backend(folder))
-    if config.backend == "onnx" and not (config.inputs and config.outputs):
-        inputs, outputs = onnx_signature(folder / BACKENDS["onnx"])
-        config = replace(config, inputs=config.inputs or inputs, outputs=config.outputs or outputs)
+def version_folders(folder: Path) -> list[int]:
+    """The version folders of a model (``1/``, ``2/``...), as numbers; other folders are
+    not versions."""
+    try:
+        return sorted(int(entry.name) for entry in folder.iterdir()
+                      if entry.name.isascii() and entry.name.isdigit() and entry.is_dir())
+    except OSError:
+        return []
+
+
+def read_raw_config(folder: Path) -> dict[str, Any]:
+    """The ``config.yaml`` mapping of a model folder: its ``config.yaml``, or its Triton
+    ``config.pbtxt`` read into the same keys, or none (empty)."""
+    name, yaml_file, pbtxt_file = folder.name, folder / "config.yaml", folder / "config.pbtxt"
+    if yaml_file.exists() and pbtxt_file.exists():
+        raise ConfigError(f"{name}: both config.yaml and config.pbtxt are here: keep one")
+    if yaml_file.exists():
+        return read_config_yaml(name, yaml_file)
+    if pbtxt_file.exists():
+        try:
+            text = pbtxt_file.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{name}: config.pbtxt cannot be read ({exc.strerror})") from None
+        return pbtxt_config(name, text)
+    return {}
+
+
+def load_model_config(folder: Path, override: dict[str, Any] | None = None) -> ModelConfig:
+    """The model of ``folder``: its configuration (``override``, a repository load's, in
+    place of the folder's file), its served versions, and what its ONNX graph adds."""
+    raw = read_raw_config(folder) if override is None else override
+    found = version_folders(folder)
+    probe = next((folder / str(v) for v in reversed(found)
+                  if artifact_backend(folder / str(v))), folder)
+    try:
+        config = ModelConfig.from_dict(folder.name, raw, artifact_backend(probe))
+    except ConfigError as exc:
+        source = ("the load's config" if override is not None
+                  else "config.pbtxt" if (folder / "config.pbtxt").exists() else "")
+        if not source:
+            raise
+        name = folder.name
+        raise ConfigError(str(exc).replace(f"{name}: ", f"{name}: {source}, read as "
+                                                        "config.yaml keys: ", 1)) from None
+    if found:
+        config = replace(config, versions=_served(config, folder, found))
+    if not (config.inputs and config.outputs):
+        config = _signature_from_artifact(config, artifact_folder(folder, config),
+                                          "max_batch_size" in raw)
     return config
+
+
+def artifact_folder(folder: Path, config: ModelConfig, version: str = "") -> Path:
+    """Where the artifact of ``version`` (the newest served when "") lies."""
+    if not config.versions:
+        return folder
+    return folder / (version or config.versions[-1])
+
+
+def _served(config: ModelConfig, folder: Path, found: list[int]) -> tuple[str, ...]:
+    served = config.version_policy.choose(found)
+    if not served:
+        raise ConfigError(f"{config.name}: no version folder matches the version policy "
+                          f"(folders: {', '.join(map(str, found))})")
+    missing = [v for v in served if not (folder / str(v) / config.artifact).is_file()]
+    if missing:
+        raise ConfigError(f"{config.name}: version {missing[0]} has no {config.artifact}")
+    return tuple(str(v) for v in served)
+
+
+def _signature_from_artifact(config: ModelConfig, where: Path, batch_given: bool) -> ModelConfig:
+    """Inputs and outputs the config leaves out, from the ONNX graph; a TorchScript or
+    torch.export artifact records no names or shapes, so it must declare them."""
+    if config.backend in ("torchscript", "torch_export"):
+        raise ConfigError(f"{config.name}: a {config.backend} model needs its inputs and "
+                          f"outputs declared (config.yaml or config.pbtxt): the artifact "
+                          f"does not record tensor names, datatypes or shapes")
+    if config.backend != "onnx":
+        return config
+    inputs, outputs = onnx_signature(where / config.artifact)
+    config = replace(config, inputs=config.inputs or inputs, outputs=config.outputs or outputs)
+    fixed = [t for t in (*inputs, *outputs) if not t.shape or t.shape[0] != -1]
+    if not config.batched or not fixed:
+        return config
+    if batch_given:
+        raise ConfigError(f"{config.name}: max_batch_size is {config.max_batch_size}, but the "
+                          f"ONNX graph's {fixed[0].describe()} has no variable batch dim: set "
+                          f"max_batch_size: 0, or export the graph with a dynamic first axis")
+    log.info("%s: the ONNX graph's %s has a fixed first dim: served with max_batch_size 0 "
+             "(each request alone, shapes as the graph's)", config.name, fixed[0].describe())
+    return replace(config, max_batch_size=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +135,12 @@ class RepositoryScan:
 
 
 def is_model_folder(folder: Path) -> bool:
-    """A folder that holds an artifact or a ``config.yaml`` (hidden folders never do)."""
+    """A folder that holds an artifact, a ``config.yaml`` or ``config.pbtxt``, or a version
+    folder with an artifact (hidden folders never do)."""
     return (folder.is_dir() and not folder.name.startswith(".")
-            and (artifact_backend(folder) is not None or (folder / "config.yaml").exists()))
+            and (artifact_backend(folder) is not None or (folder / "config.yaml").exists()
+                 or (folder / "config.pbtxt").exists()
+                 or any(artifact_backend(folder / str(v)) for v in version_folders(folder))))
 
 
 def model_folders(root: Path) -> list[Path]:
@@ -108,9 +196,21 @@ def as_text(raw: bytes | str) -> str:
     return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
 
-def record_value(state: str, at: float) -> bytes:
-    """A repository hash value: ``{"state": "loaded"|"unloaded", "ts": epoch_s}``."""
-    return json.dumps({"state": state, "ts": at}).encode()
+def config_digest(config: dict[str, Any] | None) -> str:
+    """A short digest of a load's configuration ("" for the folder's own): an inference
+    process reports the one it runs, so a load waits for processes that run its own."""
+    if config is None:
+        return ""
+    return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_value(state: str, at: float, config: dict[str, Any] | None = None) -> bytes:
+    """A repository hash value: ``{"state": "loaded"|"unloaded", "ts": epoch_s}``, and the
+    ``config`` a load gave in place of the folder's (``config.yaml`` keys)."""
+    value: dict[str, Any] = {"state": state, "ts": at}
+    if config is not None:
+        value["config"] = config
+    return json.dumps(value).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +219,8 @@ class Record:
 
     state: str
     ts: float
+    config: dict[str, Any] | None = None
+    """The configuration a load gave in place of the folder's, if any."""
 
 
 def parse_record(raw: bytes | str | None) -> Record:
@@ -127,9 +229,12 @@ def parse_record(raw: bytes | str | None) -> Record:
     try:
         value = json.loads(raw) if raw else {}
         state, ts = value.get("state"), float(value.get("ts", 0))
+        config = value.get("config")
     except (ValueError, TypeError, AttributeError):
         return Record("", 0.0)
-    return Record(state if state in ("loaded", "unloaded") else "", ts)
+    if config is not None and not isinstance(config, dict):
+        return Record("", 0.0)
+    return Record(state if state in ("loaded", "unloaded") else "", ts, config)
 
 
 def stale_entries(root: Path, names: Iterable[str]) -> list[str]:
@@ -138,14 +243,23 @@ def stale_entries(root: Path, names: Iterable[str]) -> list[str]:
     return sorted(n for n in names if model_folder(root, n) is None)
 
 
-def status_table(rows: Iterable[tuple[str, str]]) -> str:
-    """Models and their states as Triton prints them at start: Model | Version | Status."""
-    lines = [("Model", "Version", "Status"), *((m, "1", s) for m, s in rows)]
+def status_table(rows: Iterable[tuple[str, str]],
+                 versions: Mapping[str, Iterable[str]] | None = None) -> str:
+    """Models and their states as Triton prints them at start: Model | Version | Status,
+    a line per version of ``versions`` (model -> served versions; "1" when not there)."""
+    served = versions or {}
+    lines = [("Model", "Version", "Status"),
+             *((m, v, s) for m, s in rows for v in served.get(m, ("1",)))]
     widths = [max(len(line[i]) for line in lines) for i in range(3)]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     body = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
             for line in lines]
     return "\n".join([rule, body[0], rule, *body[1:], rule])
+
+
+def served_versions(models: Mapping[str, ModelConfig]) -> dict[str, tuple[str, ...]]:
+    """Each model's served versions, for :func:`status_table`."""
+    return {name: config.served_versions for name, config in models.items()}
 
 
 def state_rows(loaded: Iterable[str], failed: Mapping[str, str],

@@ -48,6 +48,17 @@ def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int,
             raise InvalidInput(f"unexpected inference input '{unknown[0]}' for model '{model}'")
     elif not given:
         raise InvalidInput("request has no inputs")
+    rows = _batch_rows(config, given) if config.batched else 1
+    for name, datatype, shape in given:
+        spec = config.input(name)
+        if spec is not None:
+            _check_one(model, spec, datatype, shape)
+    return rows  # no batch dim: the request is one unit of work, whatever its shapes
+
+
+def _batch_rows(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int, ...]]]) -> int:
+    """The batch dim every input shares, checked against ``max_batch_size``."""
+    model = config.name
     rows: int | None = None
     for name, _, shape in given:
         if not shape:
@@ -60,14 +71,10 @@ def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int,
                                f"for '{model}'")
     assert rows is not None
     if rows < 1:
-        raise InvalidInput(f"input {names[0]!r}: the batch dim must be at least 1, got {rows}")
+        raise InvalidInput(f"input {given[0][0]!r}: the batch dim must be at least 1, got {rows}")
     if rows > config.max_batch_size:
         raise InvalidInput(f"inference request batch-size must be <= {config.max_batch_size} "
                            f"for '{model}'")
-    for name, datatype, shape in given:
-        spec = config.input(name)
-        if spec is not None:
-            _check_one(model, spec, datatype, shape)
     return rows
 
 

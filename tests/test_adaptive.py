@@ -205,3 +205,6 @@ def test_make_policy_follows_the_config() -> None:
     fixed = make_policy(ModelConfig("m", "onnx", max_batch_size=32,
                                     batching=BatchingConfig(max_queue_delay_us=100, adaptive=False)))
     assert fixed == FixedWindow(32, 0.0001)
+    alone = make_policy(ModelConfig("m", "onnx", max_batch_size=0, batching=batching))
+    assert isinstance(alone, AdaptivePolicy)
+    assert (alone.max_rows, alone.max_delay_s, alone.preferred) == (1, 0.0, ())

@@ -58,7 +58,7 @@ def refused(raw: dict[str, Any], backend: str | None = "python") -> str:
     ({"batching": {"adaptive": "yes"}}, "batching.adaptive must be true or false, got 'yes'"),
     ({"batching": {"adaptive": 1}}, "batching.adaptive must be true or false, got 1"),
     # bounds: values that would crash or wedge a process later
-    ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+    ({"max_batch_size": -1}, "max_batch_size must be >= 0, got -1"),
     ({"max_batch_size": 2**40}, "max_batch_size must be <= 2147483647"),
     ({"queue": {"priority_levels": 0, "default_priority": 1}},
      "queue.priority_levels must be >= 1, got 0"),

@@ -37,7 +37,7 @@ def failing_torchscript(folder: Path) -> ModelFailure:
     loop = SimpleNamespace(config=config, model=model, _out_types={})
     inputs = {"a": np.ones((2, 3), np.float32), "b": np.ones((2, 3), np.float32)}
     with pytest.raises(ModelFailure) as caught:
-        InferenceLoop._predict(loop, inputs, 2)  # type: ignore[arg-type]
+        InferenceLoop._predict(loop, inputs, 2, model)  # type: ignore[arg-type]
     return caught.value
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import struct
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -92,6 +93,17 @@ def test_raw_input_refusals_in_tritons_words(config: ModelConfig, message: str) 
     with pytest.raises(InvalidInput) as caught:
         raw_input(b"1234", config)
     assert message in caught.value.message
+
+
+def test_raw_input_of_a_model_without_a_batch_dim_is_exactly_its_shape() -> None:
+    config = replace(single("FP32", [3, 2]), max_batch_size=0)
+    whole = raw_input(np.zeros((3, 2), np.float32).tobytes(), config)
+    assert whole.shape == (3, 2)
+    with pytest.raises(InvalidInput, match="cannot be deduced"):
+        raw_input(np.zeros((2, 3, 2), np.float32).tobytes(), config)
+    free = raw_input(np.zeros(8, np.float32).tobytes(),
+                     replace(single("FP32", [-1, 2]), max_batch_size=0))
+    assert free.shape == (4, 2)
 
 
 def test_response_compression() -> None:

@@ -187,7 +187,8 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
         (lambda: client.infer("echo", [item], outputs=[
             grpcclient.InferRequestedOutput("y", class_count=2)]), "INVALID_ARGUMENT",
          "classification"),
-        (lambda: client.load_model("echo", config="{}"), "INVALID_ARGUMENT", "not supported"),
+        (lambda: client.load_model("echo", config='{"sequence_batching": {}}'),
+         "INVALID_ARGUMENT", "sequence batching (stateful models) is not supported"),
         (lambda: client.unload_model("missing"), "NOT_FOUND", "unknown model"),
     ]
     for call, status, text in cases:

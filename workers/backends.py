@@ -22,8 +22,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from batching.config import BACKENDS, ModelConfig
+from batching.config import ModelConfig
 from batching.errors import ModelFailure
+from workers.triton_python import TritonPythonAdapter, utils_module
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,10 @@ class LoadedModel(Protocol):
 def load_model(config: ModelConfig, folder: Path, device: str) -> LoadedModel:
     """Load the artifact of ``config.backend`` from ``folder`` onto ``device`` ("cpu", "cuda:N")."""
     loader = _LOADERS[config.backend]
-    return loader(config, folder / BACKENDS[config.backend], device)
+    model = loader(config, folder / config.artifact, device)
+    if any(spec.reshape is not None for spec in (*config.inputs, *config.outputs)):
+        return _Reshaped(config, model)
+    return model
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -99,16 +103,41 @@ def _mentions(exc: BaseException, needles: tuple[str, ...]) -> bool:
 
 
 def _checked(config: ModelConfig, outputs: Arrays, inputs: Arrays) -> Arrays:
-    """Fail clearly unless every declared output is present and each has one row per input row."""
+    """Fail clearly unless every declared output is present and each has one row per input
+    row (a model without a batch dim: any shape)."""
     missing = [spec.name for spec in config.outputs if spec.name not in outputs]
     if missing:
         raise ModelFailure(f"{config.name}: model returned no {missing} (got {sorted(outputs)})")
+    if not config.batched:
+        return outputs
     rows = next((array.shape[0] for array in inputs.values() if array.ndim), None)
     for name, array in outputs.items():
         if rows is not None and (array.ndim == 0 or array.shape[0] != rows):
             raise ModelFailure(f"{config.name}: output {name} has shape {list(array.shape)}, "
                                f"but axis 0 must hold the batch's {rows} rows")
     return outputs
+
+
+class _Reshaped:
+    """Triton's ``reshape``: inputs reach the model in the shape it takes, and its outputs
+    leave in the declared shape (each row alike, the batch dim kept)."""
+
+    def __init__(self, config: ModelConfig, model: LoadedModel) -> None:
+        self._model = model
+        self._batched = config.batched
+        self._inputs = {t.name: t.reshape for t in config.inputs if t.reshape is not None}
+        self._outputs = {t.name: t.shape[1:] if config.batched else t.shape
+                         for t in config.outputs if t.reshape is not None}
+
+    def _shaped(self, array: npt.NDArray[Any], dims: tuple[int, ...]) -> npt.NDArray[Any]:
+        return array.reshape((array.shape[0], *dims) if self._batched else dims)
+
+    def predict(self, inputs: Arrays) -> Arrays:
+        given = {name: self._shaped(array, self._inputs[name]) if name in self._inputs
+                 else array for name, array in inputs.items()}
+        outputs = self._model.predict(given)
+        return {name: self._shaped(array, self._outputs[name]) if name in self._outputs
+                else array for name, array in outputs.items()}
 
 
 class _TorchModel:
@@ -289,11 +318,17 @@ def _load_python(config: ModelConfig, path: Path, device: str) -> LoadedModel:
     sys.modules[module_name] = module
     folder = str(path.parent)
     sys.path.insert(0, folder)  # so model.py may import its siblings
+    utils_module()  # a Triton model.py imports triton_python_backend_utils
     try:
         spec.loader.exec_module(module)
         model_class = getattr(module, "Model", None)
+        triton_class = getattr(module, "TritonPythonModel", None)
+        if model_class is None and triton_class is not None:
+            return _PythonModel(config, TritonPythonAdapter(config, triton_class, path.parent,
+                                                            device))
         if model_class is None:
-            raise ModelFailure(f"{config.name}: {path.name} defines no class Model")
+            raise ModelFailure(f"{config.name}: {path.name} defines no class Model (or "
+                               "Triton's TritonPythonModel)")
         model = model_class(dataclasses.asdict(config), device)
     except BaseException:
         sys.modules.pop(module_name, None)

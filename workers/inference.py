@@ -24,7 +24,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -35,8 +35,8 @@ from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
 from batching.datatypes import from_numpy
-from batching.envelope import Reply, Tensor
-from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
+from batching.envelope import VERSION, Reply, Tensor
+from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unavailable
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import COMPUTE_PHASES, Keys
 from batching.memory import RowCap
@@ -100,19 +100,23 @@ class InferenceLoop:
 
     def __init__(self, config: ModelConfig, model: LoadedModel, streams: StreamPort,
                  reclaimer: ReclaimPort, shared: SharedState, keys: Keys, *,
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False,
+                 versions: Mapping[str, LoadedModel] | None = None) -> None:
+        """``model`` runs requests that name no version; ``versions`` (a model with version
+        folders) the others, by version."""
         self.config = config
         self.model = model
+        self.versions = dict(versions or {})
         self.streams = streams
         self.reclaimer = reclaimer
-        self.reconciler = streams.reconciler(config.max_batch_size)
+        self.reconciler = streams.reconciler(config.batch_rows)
         streams.on_data_lost = self.reconciler.suspect
         self.shared = shared
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
-        self.former = BatchFormer(self.policy, config.max_batch_size, Layout.of(config),
+        self.former = BatchFormer(self.policy, config.batch_rows, Layout.of(config),
                                   config.max_batch_cost)
-        self.row_cap = RowCap(config.max_batch_size)
+        self.row_cap = RowCap(config.batch_rows)
         """The one owner of the batch size bound: ``limit`` is ``max_batch_size`` (lowered
         at run time by :meth:`apply_control`), ``cap`` the rows the device has shown it
         holds, never above ``limit``. The policy and the former keep the configured bound
@@ -143,7 +147,7 @@ class InferenceLoop:
         if "max_queue_delay_us" in overrides:
             self.policy.max_delay_s = max(0, int(overrides["max_queue_delay_us"])) / 1e6
         if "max_batch_size" in overrides:
-            rows = min(max(1, int(overrides["max_batch_size"])), self.config.max_batch_size)
+            rows = min(max(1, int(overrides["max_batch_size"])), self.config.batch_rows)
             self.row_cap.limit = rows
             self.row_cap.cap = min(self.row_cap.cap, rows)
             self._publish_cap()
@@ -347,7 +351,7 @@ class InferenceLoop:
             inputs = batch.stacked_inputs()
             stacked = time.perf_counter_ns()
             phases[0] += stacked - begun
-            outputs = self._predict(inputs, rows)
+            outputs = self._predict(inputs, rows, self._model_for(entries[0]))
             phases[1] += time.perf_counter_ns() - stacked
         except ConveyorError as exc:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
@@ -377,7 +381,8 @@ class InferenceLoop:
         """One request out of memory: bisect its rows; a single row that fails, fails alone."""
         try:
             outputs = self._predict_halves(
-                Batch([entry], "", self.former.layout).stacked_inputs(), entry.rows, done)
+                Batch([entry], "", self.former.layout).stacked_inputs(), entry.rows, done,
+                self._model_for(entry))
         except _OutOfMemory:
             error = ModelFailure(f"model {self.config.name!r} ran out of device memory on a "
                                  "single row of this request")
@@ -389,22 +394,35 @@ class InferenceLoop:
                                         for n, a in outputs.items() if not wanted or n in wanted],
                      batch_rows=entry.rows)
 
-    def _predict_halves(self, inputs: Arrays, rows: int, done: _Outcome) -> Arrays:
+    def _predict_halves(self, inputs: Arrays, rows: int, done: _Outcome,
+                        model: LoadedModel) -> Arrays:
         try:
-            return self._predict(inputs, rows)
+            return self._predict(inputs, rows, model)
         except _OutOfMemory:
             done.fits.append((False, rows))
             if rows <= 1:
                 raise
             half = rows // 2
-            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half, done)
+            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half, done,
+                                         model)
             second = self._predict_halves({k: v[half:] for k, v in inputs.items()},
-                                          rows - half, done)
+                                          rows - half, done, model)
             return {k: np.concatenate([first[k], second[k]]) for k in first}
 
-    def _predict(self, inputs: Arrays, rows: int) -> Arrays:
+    def _model_for(self, entry: Entry) -> LoadedModel:
+        """The loaded version the entry asked for (a batch holds one version only)."""
+        version = entry.request.params.get(VERSION)
+        if not version:
+            return self.model
+        model = self.versions.get(version)
+        if model is None:  # admitted under a configuration this process does not run
+            raise Unavailable(f"model {self.config.name!r} version {version} is not loaded "
+                              "by this process (the model is being reloaded)")
+        return model
+
+    def _predict(self, inputs: Arrays, rows: int, model: LoadedModel) -> Arrays:
         try:
-            outputs = self.model.predict(inputs)
+            outputs = model.predict(inputs)
         except ConveyorError:
             raise
         except Exception as exc:  # the model's own failure: answered, never fatal here

@@ -20,7 +20,12 @@ from batching.keys import Keys
 from batching.lifetime import die_with_parent
 from batching.redis_errors import REDIS_UNREACHABLE
 from batching.redis_links import blocking_link
-from batching.repository_scan import failure_reason, load_model_config
+from batching.repository_scan import (
+    artifact_folder,
+    config_digest,
+    failure_reason,
+    load_model_config,
+)
 from batching.settings import Settings
 from workers.backends import load_model
 from workers.events import make_batch_events
@@ -39,16 +44,17 @@ def consumer_name(model: str, device: str, index: int) -> str:
 
 
 def serve(model_name: str, device: str, index: int, shared: SharedState,
-          failure: Any) -> None:
+          failure: Any, override: dict[str, Any] | None = None) -> None:
     """``failure`` (a shared ``c`` array) receives, if loading the model raises, the one
-    line its supervisor publishes as the reason the model failed."""
+    line its supervisor publishes as the reason the model failed. ``override`` is the
+    configuration a repository load gave in place of the folder's."""
     die_with_parent(signal.SIGTERM)  # the supervisor gone (worker killed): stop as it would
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     settings = Settings()
     folder = Path(settings.model_repository) / model_name
     try:
-        _serve(model_name, device, index, shared, settings, folder)
+        _serve(model_name, device, index, shared, settings, folder, override)
     except Exception as exc:
         if shared.state == ProcState.LOADING:
             failure.value = failure_reason(folder, exc).encode()[:len(failure) - 1]
@@ -65,9 +71,9 @@ def pipelined(device: str) -> bool:
 
 
 def _serve(model_name: str, device: str, index: int, shared: SharedState, settings: Settings,
-           folder: Path) -> None:
+           folder: Path, override: dict[str, Any] | None) -> None:
     keys = Keys(settings.key_prefix)
-    config = load_model_config(folder)
+    config = load_model_config(folder, override)
     consumer = consumer_name(model_name, device, index)
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
                                   socket_timeout=BLOCK_MS / 1000 + 5, health_check_interval=30)
@@ -79,8 +85,10 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
                            keys.stats(model_name), keys.rows_waiting(model_name), consumer,
                            settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
-    loop = InferenceLoop(config, load_model(config, folder, device), streams, reclaimer,
-                         shared, keys, pipelined=pipelined(device))
+    versions = {v: load_model(config, artifact_folder(folder, config, v), device)
+                for v in config.served_versions}
+    loop = InferenceLoop(config, versions[config.served_versions[-1]], streams, reclaimer,
+                         shared, keys, pipelined=pipelined(device), versions=versions)
     loop.events = make_batch_events(model_name, settings)
 
     def stop(_signum: int, _frame: object) -> None:
@@ -92,7 +100,8 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     _retry(streams.ensure_groups)
     shared.row_cap = loop.row_cap.cap
     shared.state = ProcState.READY
-    heartbeat.update(state="ready", max_batch_size=config.max_batch_size,
+    heartbeat.update(state="ready", config=config_digest(override),
+                     max_batch_size=config.max_batch_size,
                      row_cap=loop.row_cap.cap)
     log.info("%s ready on %s as %s", model_name, device, consumer)
     gc.collect()

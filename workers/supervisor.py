@@ -39,6 +39,7 @@ from batching.repository_scan import (
     load_model_config,
     parse_record,
     scan_repository,
+    served_versions,
     stale_entries,
     state_rows,
     status_table,
@@ -106,14 +107,17 @@ class Supervisor:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         scan = scan_repository(settings.model_repository, settings.model_filter() or None)
+        table = status_table(state_rows(scan.models, scan.failed), served_versions(scan.models))
         log.log(logging.WARNING if scan.failed else logging.INFO, "model repository %s:\n%s",
-                settings.model_repository, status_table(state_rows(scan.models, scan.failed)))
+                settings.model_repository, table)
         self.models: dict[str, ModelConfig] = scan.models
         self.slots: list[Slot] = []
         self._applied: dict[str, bytes | str] = {}
         """The repository hash value last acted on per model."""
         self._refused: dict[str, str] = {}
         """Why a recorded name was not loaded (logged once per reason)."""
+        self._overrides: dict[str, dict[str, Any] | None] = {}
+        """The configuration a repository load gave per model, which its processes run."""
         self._ctx = multiprocessing.get_context("spawn")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="conveyor-supervisor",
@@ -173,7 +177,7 @@ class Supervisor:
         slot.failure = self._ctx.Array("c", REASON_BYTES)
         process = self._ctx.Process(target=serve,
                                     args=(slot.model, slot.device, slot.index, slot.shared,
-                                          slot.failure),
+                                          slot.failure, self._overrides.get(slot.model)),
                                     name=f"conveyor-{slot.model}-{slot.index}", daemon=False)
         process.start()
         slot.process, slot.started, slot.kill_at = process, time.monotonic(), 0.0
@@ -294,7 +298,8 @@ class Supervisor:
                 continue
             changed = self._applied.get(model) != raw
             self._applied[model] = raw
-            state = parse_record(raw).state
+            record = parse_record(raw)
+            state = record.state
             slots = [s for s in self.slots if s.model == model]
             if state == "unloaded" and any(not s.retired for s in slots):
                 log.info("unloading %s", model)
@@ -303,7 +308,9 @@ class Supervisor:
                 threading.Thread(target=self._unload, daemon=True,
                                  args=(model, [s.process for s in slots if s.process])).start()
             elif state == "loaded" and (not slots or all(s.retired for s in slots)):
-                self._load(model, slots)
+                self._load(model, slots, record.config)
+            elif state == "loaded" and changed and record.config != self._overrides.get(model):
+                self._restart(model, slots)
             elif state == "loaded" and changed:
                 _retry_failed(slots)
 
@@ -323,12 +330,21 @@ class Supervisor:
         except (*REDIS_FAILED, RespError) as exc:
             log.warning("could not answer the unread requests of %s: %s", model, exc)
 
-    def _load(self, model: str, old: list[Slot]) -> None:
+    def _restart(self, model: str, slots: list[Slot]) -> None:
+        """A load with another configuration: stop the model's processes (what they left
+        unread waits in its streams), then load it again on a later tick."""
+        log.info("reloading %s with a new configuration", model)
+        for slot in slots:
+            slot.retired = True
+        threading.Thread(target=_stop_processes, daemon=True,
+                         args=([s.process for s in slots if s.process],)).start()
+
+    def _load(self, model: str, old: list[Slot], override: dict[str, Any] | None) -> None:
         if self.settings.model_filter() and model not in self.settings.model_filter():
             return
         folder = self.settings.model_repository / model
         try:
-            config = load_model_config(folder)
+            config = load_model_config(folder, override)
         except Exception as exc:  # one model's config never stops the others
             self._refuse(model, failure_reason(folder, exc))
             return
@@ -337,6 +353,7 @@ class Supervisor:
             return  # still draining from the unload; load on a later tick
         self.slots = [s for s in self.slots if s.model != model]
         self.models[model] = config
+        self._overrides[model] = override
         self._add_slots(config)
         log.info("loaded %s", model)
 

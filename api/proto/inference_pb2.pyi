@@ -297,8 +297,14 @@ class ModelInstanceGroup(_message.Message):
     gpus: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelInstanceGroup.Kind, str]] = ..., count: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ModelTensorReshape(_message.Message):
+    __slots__ = ("shape",)
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ModelInput(_message.Message):
-    __slots__ = ("name", "data_type", "format", "dims")
+    __slots__ = ("name", "data_type", "format", "dims", "reshape")
     class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORMAT_NONE: _ClassVar[ModelInput.Format]
@@ -311,21 +317,25 @@ class ModelInput(_message.Message):
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    RESHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     format: ModelInput.Format
     dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., format: _Optional[_Union[ModelInput.Format, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+    reshape: ModelTensorReshape
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., format: _Optional[_Union[ModelInput.Format, str]] = ..., dims: _Optional[_Iterable[int]] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
-    __slots__ = ("name", "data_type", "dims")
+    __slots__ = ("name", "data_type", "dims", "reshape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    RESHAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+    reshape: ModelTensorReshape
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ...) -> None: ...
 
 class ModelQueuePolicy(_message.Message):
     __slots__ = ("timeout_action", "default_timeout_microseconds", "allow_timeout_override", "max_queue_size")
@@ -367,8 +377,31 @@ class ModelParameter(_message.Message):
     string_value: str
     def __init__(self, string_value: _Optional[str] = ...) -> None: ...
 
+class ModelVersionPolicy(_message.Message):
+    __slots__ = ("latest", "all", "specific")
+    class Latest(_message.Message):
+        __slots__ = ("num_versions",)
+        NUM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        num_versions: int
+        def __init__(self, num_versions: _Optional[int] = ...) -> None: ...
+    class All(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    class Specific(_message.Message):
+        __slots__ = ("versions",)
+        VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        versions: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    SPECIFIC_FIELD_NUMBER: _ClassVar[int]
+    latest: ModelVersionPolicy.Latest
+    all: ModelVersionPolicy.All
+    specific: ModelVersionPolicy.Specific
+    def __init__(self, latest: _Optional[_Union[ModelVersionPolicy.Latest, _Mapping]] = ..., all: _Optional[_Union[ModelVersionPolicy.All, _Mapping]] = ..., specific: _Optional[_Union[ModelVersionPolicy.Specific, _Mapping]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching", "instance_group", "default_model_filename", "parameters")
+    __slots__ = ("name", "platform", "backend", "version_policy", "max_batch_size", "input", "output", "dynamic_batching", "instance_group", "default_model_filename", "parameters")
     class ParametersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +412,7 @@ class ModelConfig(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +423,7 @@ class ModelConfig(_message.Message):
     name: str
     platform: str
     backend: str
+    version_policy: ModelVersionPolicy
     max_batch_size: int
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
@@ -396,7 +431,7 @@ class ModelConfig(_message.Message):
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     default_model_filename: str
     parameters: _containers.MessageMap[str, ModelParameter]
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., backend: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ...) -> None: ...
 
 class ModelStatisticsRequest(_message.Message):
     __slots__ = ("name", "version")

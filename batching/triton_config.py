@@ -1,7 +1,8 @@
 """A model's configuration in Triton's ModelConfig JSON form (``/config``, gRPC ModelConfig).
 
 Triton's ``dims`` leave out the batch dim when ``max_batch_size > 0``; conveyor's shapes
-carry it first, so ``dims`` is the shape less its first entry. Knobs Triton has no field
+carry it first, so ``dims`` is the shape less its first entry (the whole shape when
+``max_batch_size`` is 0). Knobs Triton has no field
 for (the adaptive policy, its latency target, the execution timeout) appear as
 ``parameters`` named ``conveyor.*``, beside the model's own ``parameters``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batching.config import BACKENDS, ModelConfig, TensorSpec
+from batching.config import ModelConfig, TensorSpec
 
 _PLATFORM = {
     "onnx": ("onnxruntime_onnx", "onnxruntime"),
@@ -40,10 +41,11 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
         "platform": platform,
         "backend": backend,
         "max_batch_size": config.max_batch_size,
+        "version_policy": _version_policy(config),
         "input": [{"name": t.name, "data_type": data_type(t.datatype), "format": "FORMAT_NONE",
-                   "dims": _dims(t)} for t in config.inputs],
-        "output": [{"name": t.name, "data_type": data_type(t.datatype), "dims": _dims(t)}
-                   for t in config.outputs],
+                   "dims": _dims(config, t), **_reshape(t)} for t in config.inputs],
+        "output": [{"name": t.name, "data_type": data_type(t.datatype),
+                    "dims": _dims(config, t), **_reshape(t)} for t in config.outputs],
         "dynamic_batching": {
             "preferred_batch_size": list(config.batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": config.batching.max_queue_delay_us,
@@ -59,13 +61,26 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
         },
         "instance_group": [_instance_group(config.name, i, group.device, group.count)
                            for i, group in enumerate(config.instances)],
-        "default_model_filename": BACKENDS[config.backend],
+        "default_model_filename": config.artifact,
         "parameters": parameters,
     }
 
 
-def _dims(spec: TensorSpec) -> list[int]:
-    return list(spec.shape[1:])
+def _dims(config: ModelConfig, spec: TensorSpec) -> list[int]:
+    return list(spec.shape[1:] if config.batched else spec.shape)
+
+
+def _reshape(spec: TensorSpec) -> dict[str, Any]:
+    return {} if spec.reshape is None else {"reshape": {"shape": list(spec.reshape)}}
+
+
+def _version_policy(config: ModelConfig) -> dict[str, Any]:
+    policy = config.version_policy
+    if policy.kind == "all":
+        return {"all": {}}
+    if policy.kind == "specific":
+        return {"specific": {"versions": list(policy.specific)}}
+    return {"latest": {"num_versions": policy.latest}}
 
 
 def _instance_group(model: str, index: int, device: str, count: int) -> dict[str, Any]:
