@@ -37,6 +37,7 @@ from batching.keys import Keys
 from batching.settings import Settings
 from bench import run as base
 from bench.models import write_repository
+from bench.run_report import NCPU
 from bench.wrk import run_wrk
 from conveyor.harness import RedisServer, free_port
 
@@ -259,7 +260,7 @@ def main() -> None:
         f"## Batching policy ({MODEL})", "",
         f"- date: {started_at:%Y-%m-%d %H:%M} UTC; load average at start / end: {load0} / "
         + " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-        f"- machine: {base.NCPU} CPUs, {cpu}, Linux {os.uname().release}, Python {sys.version.split()[0]}"
+        f"- machine: {NCPU} CPUs, {cpu}, Linux {os.uname().release}, Python {sys.version.split()[0]}"
         "; shared with other tenants, and the load generator runs on the same box",
         f"- command: `{' '.join(['python -m bench.sweep', *sys.argv[1:]])}`",
         "- conveyor: 1 API process, 1 Celery worker (1 inference process, 1 torch thread), own "
