@@ -12,6 +12,8 @@ the sender never imports their code.
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from celery import Celery
 
 from batching.job_record import JOB_QUEUE, JOB_TASK
@@ -25,8 +27,8 @@ def celery_app(settings: Settings, name: str = "conveyor", current: bool = True)
     workers' base (:mod:`workers.app` adds the worker's own options). ``current=False``
     for a second app in a process (the batch event sender) that must not become the
     default one."""
-    app = Celery(name, broker=settings.redis_url, backend=settings.redis_url,
-                 set_as_current=current)
+    url = celery_url(settings.redis_url)
+    app = Celery(name, broker=url, backend=url, set_as_current=current)
     prefix = Keys(settings.key_prefix).celery()
     app.conf.update(
         task_serializer="json",
@@ -45,6 +47,19 @@ def celery_app(settings: Settings, name: str = "conveyor", current: bool = True)
     if tls is not None:  # rediss://: the URL's ssl_* options, ssl_cert_reqs=required by default
         app.conf.update(broker_use_ssl=tls, redis_backend_use_ssl=tls)
     return app
+
+
+def celery_url(redis_url: str) -> str:
+    """``redis_url`` in the form Celery's broker and result backend read: a Unix socket
+    (``unix:///path/redis.sock?db=N``) is kombu's ``redis+socket:///path?virtual_host=N``;
+    every other form is theirs already."""
+    if not redis_url.startswith("unix:"):
+        return redis_url
+    address = Address.from_url(redis_url)
+    password = quote(address.password or "", safe="")
+    user = quote(address.username or "", safe="")
+    credentials = f"{user}:{password}@" if password or user else ""
+    return f"redis+socket://{credentials}{address.path}?virtual_host={address.db}"
 
 
 def send_job(app: Celery, job_id: str, takeover: str = "") -> None:
