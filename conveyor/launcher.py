@@ -127,7 +127,7 @@ def banner(settings: Settings, flower_host: str, flower_login: str) -> str:
         "jobs: /v1/jobs)",
         f"  gRPC          {_address(settings.host, settings.grpc_port)}"
         f"{'  (TLS)' if settings.tls_cert_file is not None else ''}",
-        f"  API processes {settings.api_processes()} sharing both ports (CONVEYOR_API_WORKERS)",
+        f"  API processes {settings.api_processes()} (CONVEYOR_API_WORKERS; several share both ports)",
         f"  worker probe  {probe}",
         f"  Flower        http://{_address(flower_host, settings.flower_port)}  "
         f"({flower_login})",

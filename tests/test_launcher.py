@@ -81,9 +81,9 @@ def test_banner_says_loopback_only_without_keys(clean_env: None) -> None:
     assert f"gRPC          127.0.0.1:{settings.grpc_port}" in text
     assert "Loopback only (127.0.0.1): no CONVEYOR_API_KEYS_FILE" in text
     half = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"API processes {half} sharing both ports" in text
+    assert f"API processes {half} (CONVEYOR_API_WORKERS" in text
     text = launcher.banner(Settings(api_workers=3), "127.0.0.1", "")
-    assert "API processes 3 sharing both ports" in text
+    assert "API processes 3 (CONVEYOR_API_WORKERS" in text
 
 
 def test_banner_names_tls_and_keys_and_brackets_ipv6(clean_env: None, tmp_path: Path) -> None:
