@@ -60,13 +60,14 @@ def build_repository(root: Path) -> Path:
     return root
 
 
-def protocol_stack(redis_server: RedisServer, logdir: Path, repository: Path) -> Iterator[Stack]:
-    """One API (HTTP and gRPC) and one worker over ``repository``; yields it ready.
-    Repository control is on: the protocol tests load and unload."""
+def protocol_stack(redis_server: RedisServer, logdir: Path, repository: Path,
+                   **env: str) -> Iterator[Stack]:
+    """One API (HTTP and gRPC) and one worker over ``repository``, with ``env`` on top;
+    yields it ready. Repository control is on: the protocol tests load and unload."""
     grpc_port = free_port()
     stack = Stack(redis_server.url, repository, logdir,
                   extra_env={"CONVEYOR_GRPC_PORT": str(grpc_port),
-                             "CONVEYOR_MODEL_CONTROL": "explicit"})
+                             "CONVEYOR_MODEL_CONTROL": "explicit", **env})
     stack.add_api()
     stack.add_worker()
     try:

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import Stack
-from tests.procs import RedisServer, free_port
-from tests.protocol_stack import PROTOCOL_MODELS
+from tests.procs import RedisServer
+from tests.protocol_stack import PROTOCOL_MODELS, grpc_url, http_host, protocol_stack
+
+__all__ = ["ONES", "SERVER_NAME", "grpc_url", "http_url", "triton_stack"]
 
 SERVER_NAME = "triton"
 ONES = np.ones((1, 16), dtype=np.int32)
@@ -35,21 +37,8 @@ def build_repository(root: Path) -> Path:
 
 
 def triton_stack(redis_server: RedisServer, logdir: Path, root: Path) -> Iterator[Stack]:
-    stack = Stack(redis_server.url, build_repository(root), logdir,
-                  extra_env={"CONVEYOR_GRPC_PORT": str(free_port()),
-                             "CONVEYOR_SERVER_NAME": SERVER_NAME})
-    stack.add_api()
-    stack.add_worker()
-    try:
-        stack.wait_ready(timeout=90)
-        yield stack
-    finally:
-        stack.stop()
+    return protocol_stack(redis_server, logdir, build_repository(root),
+                          CONVEYOR_SERVER_NAME=SERVER_NAME)
 
 
-def grpc_url(stack: Stack) -> str:
-    return f"127.0.0.1:{stack.extra_env['CONVEYOR_GRPC_PORT']}"
-
-
-def http_url(stack: Stack) -> str:
-    return stack.url.removeprefix("http://")
+http_url = http_host
