@@ -82,6 +82,8 @@ class Dispatcher:
         self._busy_poll_s = busy_poll_s
         self._poll_until = 0.0
         self._polling = False
+        self._poll_start: asyncio.TimerHandle | None = None
+        """When the poll for the lone request in flight begins."""
         self._exec_s: dict[str, float] = {}
         """Per model (its rows key): the model's run time for lone requests, smoothed. The
         poll for a lone request's reply starts only when the reply is nearly due, so that
@@ -99,6 +101,8 @@ class Dispatcher:
         self._keeper = asyncio.create_task(self._keep_linked(), name="conveyor-redis-links")
 
     async def close(self) -> None:
+        if self._poll_start is not None:
+            self._poll_start.cancel()
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)
@@ -124,9 +128,10 @@ class Dispatcher:
             loop.call_soon(self._flush)
         lead = self._exec_s.get(admission.rows_key, 0.0) * POLL_LEAD
         self._poll_until = time.perf_counter() + lead + self._busy_poll_s
-        if lone and not self._polling:
-            self._polling = True
-            loop.call_later(lead, self._poll)
+        if lone:
+            if self._poll_start is not None:  # an earlier lone request's, not yet begun
+                self._poll_start.cancel()
+            self._poll_start = loop.call_later(lead, self._begin_poll)
         self._outbox.append((admission, request.encode(), fut))
         # A timer on the future itself: lighter than asyncio.wait_for's extra future.
         expiry = loop.call_later(max(timeout_s, 0.0), _expire, fut, timeout_s)
@@ -142,6 +147,12 @@ class Dispatcher:
     def _note_exec(self, model: str, seconds: float) -> None:
         seen = self._exec_s.get(model)
         self._exec_s[model] = seconds if seen is None else seen + EXEC_SMOOTHING * (seconds - seen)
+
+    def _begin_poll(self) -> None:
+        self._poll_start = None
+        if not self._polling:
+            self._polling = True
+            self._poll()
 
     def _poll(self) -> None:
         """Keep the event loop polling, not sleeping, while a lone request's reply is due

@@ -59,13 +59,22 @@ def queue_delay_us(batching: BatchingSchema) -> int:
     return ADAPTIVE_BOUND_US if batching.adaptive else 0
 
 
+UNSET = -1
+
+
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
-    max_queue_delay_us: int = ADAPTIVE_BOUND_US
-    """Resolved: with ``adaptive: false`` the default is 0 (:func:`queue_delay_us`)."""
+    max_queue_delay_us: int = UNSET
+    """Left unset, ``ADAPTIVE_BOUND_US`` for the adaptive policy and 0 for a fixed window,
+    as in :func:`queue_delay_us`."""
     preferred_batch_sizes: tuple[int, ...] = ()
     latency_target_ms: float = 50.0
     adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_queue_delay_us == UNSET:
+            object.__setattr__(self, "max_queue_delay_us",
+                               ADAPTIVE_BOUND_US if self.adaptive else 0)
 
 
 @dataclass(frozen=True, slots=True)

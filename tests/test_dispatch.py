@@ -150,10 +150,10 @@ def test_a_flushed_script_cache_is_refilled(server: RedisServer) -> None:
 
 def test_a_lone_request_is_marked_and_polled_for(server: RedisServer) -> None:
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
-        waiting = [asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
-                   for _ in range(2)]
-        await asyncio.sleep(0)
+        waiting = [asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))]
+        await asyncio.sleep(0.005)
         assert dispatcher._polling
+        waiting.append(asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5)))
         served = [await serve_one(client), await serve_one(client)]
         await asyncio.gather(*waiting)
         assert [s.params.get("lone") for s in served] == [1, None]
@@ -181,6 +181,30 @@ def test_the_poll_waits_out_most_of_a_slow_models_run(server: RedisServer,
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         assert await lone_request(dispatcher, client) > 0  # no record yet: polled at once
         assert await lone_request(dispatcher, client) == 0  # 200 ms models: not yet
+    run(server, body, busy_poll_s=1.0)
+
+
+def test_a_fast_models_lone_request_is_polled_for_even_after_a_slow_ones(
+        server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slow model's delayed poll start, still pending when its request was answered,
+    neither blocks nor stands in for the poll of the next lone request."""
+    yields = [0]
+    monkeypatch.setattr("api.dispatch.os.sched_yield", lambda: yields.__setitem__(0, yields[0] + 1))
+    fast = Admission(STREAM, KEYS.rows_waiting("fast"), 1, 100)
+
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
+        await serve_one(client, exec_ms=500.0)  # the slow model: its next poll waits 400 ms
+        await waiting
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
+        await serve_one(client, exec_ms=500.0)  # answered before its poll began
+        await waiting
+        yields[0] = 0
+        waiting = asyncio.ensure_future(dispatcher.submit(fast, request(dispatcher), 5))
+        await asyncio.sleep(0.05)
+        assert yields[0] > 0  # polled at once, not 400 ms later
+        await serve_one(client)
+        await waiting
     run(server, body, busy_poll_s=1.0)
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from batching.config import ADAPTIVE_BOUND_US, ConfigError, ModelConfig
+from batching.config import ADAPTIVE_BOUND_US, BatchingConfig, ConfigError, ModelConfig
 from batching.errors import InvalidInput
 from batching.names import requested_version
 from batching.signature import check_inputs
@@ -54,6 +54,8 @@ def test_the_wait_bound_defaults_by_policy() -> None:
     (take what is waiting); a value given is kept, 0 included."""
     fixed = ModelConfig.from_dict("m", {"batching": {"adaptive": False}}, backend="onnx")
     assert fixed.batching.max_queue_delay_us == 0
+    assert BatchingConfig(adaptive=False).max_queue_delay_us == 0
+    assert BatchingConfig().max_queue_delay_us == ADAPTIVE_BOUND_US
     for adaptive in (True, False):
         for given in (0, 500):
             config = ModelConfig.from_dict(
