@@ -17,6 +17,8 @@ from typing import Any
 
 HEAD_START = b"HTTP/1.1 "
 HEAD_END = b"\r\n\r\n"
+INTERIM = b"HTTP/1.1 1"
+"""An interim response (``100 Continue``) goes at once: the client waits for it to send."""
 
 
 class CoalescingTransport:
@@ -35,7 +37,8 @@ class CoalescingTransport:
         if head is not None:
             self._head = None
             self._transport.write(head + data)
-        elif data.startswith(HEAD_START) and data.endswith(HEAD_END):
+        elif (data.startswith(HEAD_START) and data.endswith(HEAD_END)
+              and not data.startswith(INTERIM)):
             self._head = data
             self._loop.call_soon(self.flush)
         else:

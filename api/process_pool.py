@@ -78,18 +78,23 @@ class ProcessPool:
 
     def _spawn(self) -> None:
         parent = os.getpid()
+        # A stop signal between the fork and the child's own handlers would run the
+        # supervisor's handler in the child and be lost: hold them until both are set.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:  # the child: never returns into the supervisor's loop
             status = 1
             try:
                 for sig in STOP_SIGNALS:
                     signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
                 die_with_parent(signal.SIGTERM, parent)
                 status = self._serve()
             except BaseException:
                 log.exception("API process %d failed", os.getpid())
             finally:
                 os._exit(status)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         self._children[pid] = time.monotonic()
         log.info("API process %d started (%d of %d)", pid, len(self._children), self.count)
 

@@ -66,8 +66,10 @@ def test_close_sends_a_held_head_first() -> None:
 def test_other_writes_pass_through_and_the_rest_is_the_transports() -> None:
     async def scenario() -> None:
         raw, transport, _ = make()
+        transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # interim: the client waits for it
         transport.write(b"5\r\nhello\r\n")  # a chunk, not a head
         transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n{}")  # a whole response
-        assert raw.writes == [b"5\r\nhello\r\n", b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n{}"]
+        assert raw.writes == [b"HTTP/1.1 100 Continue\r\n\r\n", b"5\r\nhello\r\n",
+                              b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n{}"]
         assert transport.get_extra_info("peername") == ("127.0.0.1", 1)
     asyncio.run(scenario())
