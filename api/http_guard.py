@@ -72,8 +72,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self.parser.set_dangerous_leniencies(lenient_data_after_close=True,
-                                             lenient_chunked_length=True)
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
         self._chunked = False
         self._sized = False
         """The request has Transfer-Encoding, Content-Length (both: read as chunked)."""
