@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import ssl
-from typing import Any
-from unittest.mock import patch
+
+import redis
 
 from batching.job_record import JOB_QUEUE, JOB_TASK
+from batching.keys import Keys
 from batching.settings import Settings
 from conveyor.celery_client import celery_app, send_job
+from tests.procs import RedisServer
 
 
 def test_client_follows_the_settings() -> None:
@@ -27,14 +31,23 @@ def test_rediss_urls_carry_their_tls_options_to_broker_and_backend() -> None:
         assert (options["ssl_certfile"], options["ssl_keyfile"]) == ("/c.pem", "/c.key")
 
 
-def test_a_job_is_sent_by_name_with_its_id_as_task_id() -> None:
-    app = celery_app(Settings())
-    sent: list[tuple[Any, ...]] = []
-    with patch.object(app, "send_task", lambda *a, **k: sent.append((a, k))):
+def test_a_job_is_sent_by_name_with_its_id_as_task_id(redis_server: RedisServer,
+                                                      keys: Keys) -> None:
+    """Two jobs sent through a real broker: each message on cv.jobs names the task, carries
+    the job id as task id and the arguments (the reaper's lease token when it resends)."""
+    app = celery_app(Settings(redis_url=redis_server.url, key_prefix=keys.prefix))
+    try:
         send_job(app, "abc")
         send_job(app, "abc", "reaper-1")
-    assert sent == [((JOB_TASK,), {"args": ["abc"], "task_id": "abc"}),
-                    ((JOB_TASK,), {"args": ["abc", "reaper-1"], "task_id": "abc"})]
+    finally:
+        app.close()
+    with redis.Redis.from_url(redis_server.url) as client:
+        raw = client.lrange(f"{keys.celery()}{JOB_QUEUE}", 0, -1)
+    messages = sorted((json.loads(m) for m in raw), key=lambda m: len(m["headers"]["argsrepr"]))
+    assert [(m["headers"]["task"], m["headers"]["id"]) for m in messages] == [
+        (JOB_TASK, "abc"), (JOB_TASK, "abc")]
+    assert [json.loads(base64.b64decode(m["body"]))[0] for m in messages] == [
+        ["abc"], ["abc", "reaper-1"]]
 
 
 def test_batch_events_use_the_same_tls_options() -> None:
