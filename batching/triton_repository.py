@@ -189,18 +189,15 @@ def _convert(top: _Fields) -> dict[str, Any]:
 def _backend(top: _Fields) -> str | None:
     platform, backend = top.string("platform"), top.string("backend")
     chosen = []
-    if platform:
-        if platform not in _PLATFORMS:
-            raise top.error(top.one("platform").line,  # type: ignore[union-attr]
-                            f"platform {platform!r} is not supported (conveyor serves "
-                            f"{', '.join(sorted(_PLATFORMS))})")
-        chosen.append(_PLATFORMS[platform])
-    if backend:
-        if backend not in _BACKENDS:
-            raise top.error(top.one("backend").line,  # type: ignore[union-attr]
-                            f"backend {backend!r} is not supported (conveyor serves "
-                            f"{', '.join(sorted(_BACKENDS))})")
-        chosen.append(_BACKENDS[backend])
+    for field_name, value, known in (("platform", platform, _PLATFORMS),
+                                     ("backend", backend, _BACKENDS)):
+        if not value:
+            continue
+        if value not in known:
+            raise top.error(top.one(field_name).line,  # type: ignore[union-attr]
+                            f"{field_name} {value!r} is not supported (conveyor serves "
+                            f"{', '.join(sorted(known))})")
+        chosen.append(known[value])
     if chosen == ["torch_export", "torchscript"]:  # conveyor's own /config: backend "pytorch"
         chosen = ["torch_export"]
     if len(set(chosen)) > 1:
