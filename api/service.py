@@ -50,6 +50,10 @@ class InferenceService:
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
+        return self._resolve(name, version)[0]
+
+    def _resolve(self, name: str, version: str) -> tuple[ModelConfig, str]:
+        """:meth:`model`, and the version that answers ("007" asks for version 7)."""
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
         if config is None:
             if name in self.unloaded:
@@ -58,9 +62,11 @@ class InferenceService:
                 raise no_available_versions(name, f"unavailable: {self.broken[name]}")
             raise unknown_model(name)
         number = requested_version(version)
-        if number is not None and str(number) not in config.served_versions:
+        if number is None:
+            return config, config.served_versions[-1]
+        if str(number) not in config.served_versions:
             raise unknown_version(name, number)
-        return config
+        return config, str(number)
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
                     started: float, protocol: str, version: str = "") -> tuple[InferRequest, Reply]:
@@ -73,16 +79,14 @@ class InferenceService:
         """
         self.metrics.protocol(protocol).inc()
         try:
-            config = self.model(model, version)
+            config, version = self._resolve(model, version)
         except ConveyorError as exc:
             self._count(UNKNOWN_MODEL, exc.code, started)
             raise
-        number = requested_version(version)  # "007" asks for version 7
-        version = "" if number is None else str(number)
         regions: Binding | None = None
         try:
             parsed = await parse(config)
-            parsed.version = version or config.served_versions[-1]
+            parsed.version = version
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
@@ -105,7 +109,7 @@ class InferenceService:
                 prio=priority,
                 inputs=parsed.inputs,
                 outputs=parsed.outputs,
-                params=_params(parsed, config, version),
+                params=_params(parsed, config),
             )
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
                                   parsed.rows, config.queue.max_queue_rows)
@@ -152,12 +156,12 @@ def requested_priority(parsed: InferRequest, levels: int, default: int, default_
     return raw or default
 
 
-def _params(parsed: InferRequest, config: ModelConfig, version: str) -> dict[str, Any]:
+def _params(parsed: InferRequest, config: ModelConfig) -> dict[str, Any]:
     """What travels with the request to the worker: its cost, its model version (a model
     with version folders), and whether it is one whole unit (no batch dim)."""
     params: dict[str, Any] = _cost(parsed)
     if config.versions:
-        params[VERSION] = version or config.versions[-1]
+        params[VERSION] = parsed.version
     if not config.batched:
         params[WHOLE] = 1
     return params
