@@ -169,7 +169,8 @@ def test_scaledobjects_watch_every_stream_of_their_pools_models() -> None:
         target = deployments[spec["scaleTargetRef"]["name"]]
         env = environment(target, spec["scaleTargetRef"]["envSourceContainerName"])
         keys = Keys(env["CONVEYOR_KEY_PREFIX"])
-        pending, lag = set(), set()
+        pending: set[str] = set()
+        lag: set[str] = set()
         for trigger in spec["triggers"]:
             meta = trigger["metadata"]
             assert trigger["type"] == "redis-streams"
@@ -286,7 +287,8 @@ def test_a_job_worker_consumes_the_job_queue() -> None:
 
 def test_servicemonitor_scrapes_the_api_metrics_port() -> None:
     monitor = of_kind("ServiceMonitor")["conveyor-api"]["spec"]
-    services = [s for s in of_kind("Service").values() if matches(monitor["selector"], s["metadata"]["labels"])]
+    services = [s for s in of_kind("Service").values()
+                if matches(monitor["selector"], s["metadata"]["labels"])]
     assert [s["metadata"]["name"] for s in services] == ["conveyor-api"]
     ports = {p["name"]: p for p in services[0]["spec"]["ports"]}
     (endpoint,) = monitor["endpoints"]
