@@ -145,7 +145,7 @@ def test_metrics_explain_batching_decisions(stack: Stack) -> None:
     def scraped() -> str:
         return httpx.get(f"{stack.url}/metrics").text
 
-    wait_for(lambda: 'conveyor_policy_arrival_rate{consumer=' in scraped(), 10,
+    wait_for(lambda: 'conveyor_policy_arrival_rate_rows_per_second{consumer=' in scraped(), 10,
              "policy estimates in the metrics")
     text = scraped()
     assert re.search(r'conveyor_batches_total\{model="ragged",reason="\w+"\} [1-9]', text)
