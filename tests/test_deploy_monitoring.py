@@ -1,5 +1,5 @@
 """deploy/grafana/conveyor.json and deploy/prometheus/alerts.yml: well formed, and every
-metric they query is one the API exports (docs/metrics.md, or the list below).
+metric they query is one the API exports (api/metric_defs.py, which docs/metrics.md lists).
 
 ``promtool`` (Debian: ``apt-get install --no-install-recommends prometheus``) checks the
 rules and runs their unit tests (deploy/prometheus/alerts_test.yml); without it those two
@@ -18,25 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
+from api.metric_defs import ALL
 from tests.procs import ROOT
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "conveyor.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 
-ADDED_METRICS = {
-    "conveyor_request_duration_seconds", "conveyor_batch_size", "conveyor_request_batch_size",
-    "conveyor_batch_execution_seconds", "conveyor_requests_in_flight",
-    "conveyor_model_instance_state", "conveyor_jobs", "conveyor_job_rows_total",
-    "conveyor_process_resident_memory_bytes", "conveyor_queue_oldest_age_seconds",
-    "conveyor_policy_arrival_rate_rows_per_second", "conveyor_queue_drain_seconds",
-    "conveyor_rows_total",
-}
-"""Metrics being added beside docs/metrics.md's (issue 14), by their exported names."""
-HISTOGRAMS = {"conveyor_request_duration_seconds", "conveyor_queue_duration_seconds",
-              "conveyor_batch_size", "conveyor_request_batch_size",
-              "conveyor_batch_execution_seconds"}
-"""Exported as ``_bucket``, ``_count`` and ``_sum`` series."""
 KUBE_STATE_METRICS = {"kube_deployment_status_replicas_ready", "kube_deployment_spec_replicas",
                       "kube_pod_container_status_restarts_total"}
 """What the alert rules take from kube-state-metrics (never the dashboard)."""
@@ -72,8 +60,9 @@ def documented_metrics() -> set[str]:
 
 
 def exported_names() -> set[str]:
-    names = documented_metrics() | ADDED_METRICS
-    return names | {f"{h}{suffix}" for h in HISTOGRAMS & names
+    """The series names of every metric the API exports (a histogram's three kinds)."""
+    names = {m.name for m in ALL}
+    return names | {f"{m.name}{suffix}" for m in ALL if m.kind == "histogram"
                     for suffix in ("_bucket", "_count", "_sum")}
 
 
