@@ -4,7 +4,7 @@ Requests wait in each model's Redis streams (one per priority level), not in Cel
 queues, so Flower's Broker page never shows them. This page reads them at request time,
 in one round trip: per stream its entries (``XLEN``), those an inference process has read
 and not answered yet (``running``: the consumer group's pending entries) and the rest
-(``waiting``), and the group's consumers; per model the rows counted against
+(``waiting``); per model the rows counted against
 ``max_queue_rows`` and the dead-letter stream's length. JSON, or an HTML table when the
 client asks for ``text/html`` (a browser). Like ``/metrics``, which carries the same
 depths, it is open unless ``CONVEYOR_AUTH_METRICS=1``.
@@ -25,8 +25,6 @@ from batching.keys import GROUP
 from batching.redis_errors import REDIS_FAILED
 
 PATH = "/v2/conveyor/queues"
-REFRESH_S = 5
-"""The HTML page reloads itself this often."""
 
 
 def queues_router(service: InferenceService) -> APIRouter:
@@ -73,8 +71,7 @@ async def read_queues(service: InferenceService) -> dict[str, Any]:
         running = min(entries, _int(group.get("pending")))
         found[model]["streams"].append({
             "priority": priority, "stream": keys.queue(model, priority), "entries": entries,
-            "waiting": entries - running, "running": running,
-            "consumers": _int(group.get("consumers"))})
+            "waiting": entries - running, "running": running})
     return {"read_at": round(time.time(), 3), "models": list(found.values())}
 
 
@@ -101,15 +98,16 @@ def render_html(depths: dict[str, Any]) -> str:
             rows.append(
                 f"<tr><td>{name}</td><td>{stream['priority']}</td>"
                 f"<td><code>{html.escape(stream['stream'])}</code></td>"
-                f"<td>{stream['waiting']}</td><td>{stream['running']}</td>"
-                f"<td>{stream['consumers']}</td></tr>")
+                f"<td>{stream['waiting']}</td><td>{stream['running']}</td></tr>")
         rows.append(
             f"<tr class='total'><td>{name}</td><td colspan='2'>rows waiting / limit"
-            f"</td><td colspan='2'>{model['rows_waiting']} / {model['max_queue_rows']}</td>"
-            f"<td>dead letters: {model['dead_letter']}</td></tr>")
+            f"</td><td colspan='2'>{model['rows_waiting']} / {model['max_queue_rows']}</td></tr>")
+        rows.append(
+            f"<tr class='total'><td>{name}</td><td colspan='2'>dead-letter stream</td>"
+            f"<td colspan='2'>{model['dead_letter']}</td></tr>")
     read_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(depths["read_at"]))
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{REFRESH_S}">
+<html><head><meta charset="utf-8">
 <title>conveyor: model queues</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; }}
@@ -120,9 +118,8 @@ th {{ background: #eee; }} tr.total td {{ background: #f6f6f6; }}
 <h1>Model queues</h1>
 <p>Requests and job chunks wait in each model's Redis streams (one per priority, 1 first).
 <em>waiting</em>: not read by an inference process yet; <em>running</em>: read, not answered.
-Read at {read_at}; this page reloads every {REFRESH_S} s.</p>
-<table><tr><th>model</th><th>priority</th><th>stream</th><th>waiting</th><th>running</th>
-<th>consumers</th></tr>
+Read at {read_at}; reload the page to read again.</p>
+<table><tr><th>model</th><th>priority</th><th>stream</th><th>waiting</th><th>running</th></tr>
 {"".join(rows)}
 </table></body></html>
 """

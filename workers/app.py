@@ -25,8 +25,8 @@ from workers.job_tasks import JobReaper
 from workers.probe import start_probe
 from workers.supervisor import Supervisor
 
-FLOWER_TASKS_COLUMNS = ("name,uuid,state,kwargs,result,exception,received,started,runtime,"
-                        "worker")
+FLOWER_TASKS_COLUMNS = ("name,state,kwargs,result,exception,received,started,runtime,worker,"
+                        "uuid")
 """The columns of Flower's tasks page when ``celery -A workers.app flower`` starts it
 (Flower reads ``FLOWER_*`` variables after loading this module; set it to override):
 beyond Flower's defaults, a batch's rows, how many batches a merged task stands for,

@@ -30,9 +30,9 @@ import httpx
 import orjson
 import redis
 from celery import Task, bootsteps, shared_task
-from celery.states import REVOKED
 from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
+from celery.states import REVOKED
 
 from batching.backoff import nth_delay
 from batching.callbacks import AllowList, CallbackRefused, Resolver, Target, check_callback, resolve

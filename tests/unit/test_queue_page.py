@@ -31,9 +31,9 @@ def test_the_page_counts_waiting_and_running_entries_per_stream(
     assert (echo["rows_waiting"], echo["dead_letter"], echo["max_queue_rows"]) == (17, 1, 10000)
     by_priority = {s["priority"]: s for s in echo["streams"]}
     assert by_priority[2] == {"priority": 2, "stream": stream, "entries": 5, "waiting": 3,
-                              "running": 2, "consumers": 1}
+                              "running": 2}
     assert by_priority[1] == {"priority": 1, "stream": keys.queue("echo", 1), "entries": 0,
-                              "waiting": 0, "running": 0, "consumers": 0}
+                              "waiting": 0, "running": 0}
     assert models["slow"]["rows_waiting"] == 0
 
     page = client.get("/v2/conveyor/queues", headers={"accept": "text/html,*/*;q=0.8"})
