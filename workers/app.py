@@ -67,8 +67,9 @@ class InferenceStep(bootsteps.StartStopStep):
         if settings.worker_port:
             self.probe = start_probe(self.supervisor, settings.host, settings.worker_port)
 
-    def info(self, parent: Any) -> dict[str, str]:
-        """Added to ``celery inspect stats``: this worker's models and inference processes."""
+    def info(self, parent: Any) -> dict[str, str]:  # type: ignore[override]
+        """Added to ``celery inspect stats``: this worker's models and inference processes
+        (Celery merges what each bootstep's ``info`` returns; celery-types says None)."""
         return control.worker_info()
 
     def stop(self, parent: Any) -> None:
