@@ -15,6 +15,7 @@ import orjson
 
 from api.auth import PRINCIPAL, Guard, Need
 from api.infer import ASGIApp, Receive, Scope, Send
+from api.queue_routes import PATH as QUEUES_PATH
 from batching.errors import ConveyorError, PermissionDenied
 
 HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
@@ -27,7 +28,7 @@ def http_need(path: str) -> Need:
     """The scope table of docs/security.md for an HTTP path."""
     if path in HEALTH_PATHS:
         return Need.HEALTH
-    if path == "/metrics":
+    if path in ("/metrics", QUEUES_PATH):
         return Need.METRICS
     if path == "/v1/jobs" or path.startswith("/v1/jobs/"):
         return Need.JOBS

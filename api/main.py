@@ -29,6 +29,7 @@ from api.infer import ASGIApp, InferRoute
 from api.job_routes import jobs_router
 from api.metrics import ApiMetrics
 from api.periodic import Periodic
+from api.queue_routes import queues_router
 from api.repository_control import Repository
 from api.routes import VERSION, add_routes
 from api.service import InferenceService
@@ -116,6 +117,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
     add_routes(app, service, repository, settings.server_name)
     add_shm_routes(app, shm)
     app.include_router(jobs_router(service, settings))
+    app.include_router(queues_router(service))
     return AuthGuard(InferRoute(app, service), guard)
 
 

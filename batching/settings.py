@@ -31,8 +31,8 @@ class Settings(BaseSettings):
     run``); 0: half the cores available to the process, at least one (the other half is
     for the inference processes and Redis on the same host)."""
     batch_events_per_s: int = 100
-    """Most Celery task events (one per executed batch, for Flower) an inference process
-    sends a second; more batches are merged into fewer events. 0 sends none."""
+    """Most Celery task events (three per executed batch, for Flower) an inference process
+    sends a second; more batches are merged into fewer tasks. 0 sends none."""
     busy_poll_us: int = 1000
     """How long a process polls, yielding its CPU to anything runnable, before it sleeps,
     around a lone request (the only one its API process has in flight): the API while it
@@ -96,7 +96,7 @@ class Settings(BaseSettings):
     auth_health: bool = False
     """Health endpoints need a key too (any scope)."""
     auth_metrics: bool = False
-    """``/metrics`` needs a key too (any scope)."""
+    """``/metrics`` and ``/v2/conveyor/queues`` need a key too (any scope)."""
     allow_unauthenticated: bool = False
     """Allow binding beyond loopback with no ``api_keys_file``."""
     model_control: Literal["none", "explicit"] = "none"

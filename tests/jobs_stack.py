@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from tests.conftest import Stack
+from tests.conftest import TEST_MODELS, Stack
 from tests.procs import Proc, free_port, wait_for
 
 FINISHED = ("SUCCEEDED", "FAILED", "CANCELLED")
+PICKY = """
+import numpy as np
+
+
+class Model:
+    def __init__(self, config, device):
+        pass
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        if (x[:, 0] < 0).any():
+            raise ValueError(f"negative row {x[x[:, 0] < 0][0].tolist()}")
+        return {"y": x * 2}
+"""
+
+
+def echo_and_picky(folder: Path) -> Path:
+    """A repository in ``folder``: echo (20 ms a batch) and picky (raises on negative rows)."""
+    shutil.copytree(TEST_MODELS / "echo", folder / "models" / "echo")
+    (folder / "models" / "picky").mkdir()
+    (folder / "models" / "picky" / "model.py").write_text(PICKY)
+    (folder / "models" / "picky" / "config.yaml").write_text(
+        "backend: python\nmax_batch_size: 16\n"
+        "inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n")
+    return folder / "models"
 
 
 def add_job_worker(stack: Stack, threads: int = 2) -> Proc:

@@ -98,7 +98,8 @@ def test_the_guard_checks_scopes_admin_covers_all_and_health_is_open_by_choice(
 
 @pytest.mark.parametrize(("path", "need"), [
     ("/v2/health/live", Need.HEALTH), ("/v2/health/ready", Need.HEALTH),
-    ("/metrics", Need.METRICS), ("/v1/jobs", Need.JOBS), ("/v1/jobs/abc/result", Need.JOBS),
+    ("/metrics", Need.METRICS), ("/v2/conveyor/queues", Need.METRICS),
+    ("/v1/jobs", Need.JOBS), ("/v1/jobs/abc/result", Need.JOBS),
     ("/v2/repository/models/digits/load", Need.ADMIN),
     ("/v2/repository/models/digits/unload", Need.ADMIN),
     ("/v2/repository/index", Need.INFER), ("/v2", Need.INFER),

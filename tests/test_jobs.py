@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -21,9 +20,10 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import TEST_MODELS, Stack
+from tests.conftest import Stack
 from tests.jobs_stack import (
     add_job_worker,
+    echo_and_picky,
     result,
     rows,
     status,
@@ -33,35 +33,13 @@ from tests.jobs_stack import (
 )
 from tests.procs import ROOT, RedisServer, wait_for
 
-PICKY = """
-import numpy as np
-
-
-class Model:
-    def __init__(self, config, device):
-        pass
-
-    def predict(self, inputs):
-        x = inputs["x"]
-        if (x[:, 0] < 0).any():
-            raise ValueError(f"negative row {x[x[:, 0] < 0][0].tolist()}")
-        return {"y": x * 2}
-"""
-
 
 @pytest.fixture(scope="module")
 def stack(redis_server: RedisServer, logdir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """echo (20 ms a batch, logging what it runs) and picky (fails on negative rows)."""
     folder = tmp_path_factory.mktemp("jobs")
-    shutil.copytree(TEST_MODELS / "echo", folder / "models" / "echo")
-    (folder / "models" / "picky").mkdir()
-    (folder / "models" / "picky" / "model.py").write_text(PICKY)
-    (folder / "models" / "picky" / "config.yaml").write_text(
-        "backend: python\nmax_batch_size: 16\n"
-        "inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]\n"
-        "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n")
-    stack = Stack(redis_server.url, folder / "models", logdir, extra_env={
+    stack = Stack(redis_server.url, echo_and_picky(folder), logdir, extra_env={
         "ECHO_LOG": str(folder / "executed.log"), "CONVEYOR_JOB_LEASE_S": "2",
         "CONVEYOR_HEARTBEAT_STALE_S": "2", "CONVEYOR_JOB_MAX_BYTES": str(1 << 20),
         "CONVEYOR_CALLBACK_HOSTS": "127.0.0.1"})

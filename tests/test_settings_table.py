@@ -50,7 +50,7 @@ def test_rows_carry_each_fields_docstring() -> None:
     assert len(by_name) == len(Settings.model_fields)
     events = by_name["`CONVEYOR_BATCH_EVENTS_PER_S`"]
     assert events.default == "`100`"
-    assert events.effect.startswith("Most Celery task events (one per executed batch, for Flower) an")
+    assert events.effect.startswith("Most Celery task events (three per executed batch, for Flower) an")
     assert by_name["`CONVEYOR_JOB_MAX_IN_FLIGHT`"].default == "`0`"
 
 

@@ -25,6 +25,13 @@ from workers.job_tasks import JobReaper
 from workers.probe import start_probe
 from workers.supervisor import Supervisor
 
+FLOWER_TASKS_COLUMNS = ("name,state,kwargs,result,exception,received,started,runtime,worker,"
+                        "uuid")
+"""The columns of Flower's tasks page when ``celery -A workers.app flower`` starts it
+(Flower reads ``FLOWER_*`` variables after loading this module; set it to override):
+beyond Flower's defaults, a batch's rows, how many batches a merged task stands for,
+its outcome, and its start."""
+
 app = celery_app(Settings())
 app.conf.update(
     worker_send_task_events=True,
@@ -34,6 +41,8 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,
 )
+
+os.environ.setdefault("FLOWER_TASKS_COLUMNS", FLOWER_TASKS_COLUMNS)
 
 app.user_options["worker"].add(Option(
     ["--inference/--no-inference"], default=True,
@@ -57,6 +66,11 @@ class InferenceStep(bootsteps.StartStopStep):
         control.attach(self.supervisor)
         if settings.worker_port:
             self.probe = start_probe(self.supervisor, settings.host, settings.worker_port)
+
+    def info(self, parent: Any) -> dict[str, str]:  # type: ignore[override]
+        """Added to ``celery inspect stats``: this worker's models and inference processes
+        (Celery merges what each bootstep's ``info`` returns; celery-types says None)."""
+        return control.worker_info()
 
     def stop(self, parent: Any) -> None:
         if self.probe is not None:

@@ -1,5 +1,8 @@
-"""Celery remote-control commands of inference workers.
+"""Celery remote-control commands of inference workers, and what they add to its stats.
 
+- ``celery inspect stats`` (Flower's worker page, tab "Other"): :func:`worker_info` adds
+  the models this worker serves and one line per inference process (model, device,
+  index: state, pid, restarts).
 - ``conveyor_stats``: per model this worker supervises, its inference processes' figures
   from their heartbeats (batches, rows, mean batch, learned row cap, state) and totals.
 - ``conveyor_set_batching``: change ``max_queue_delay_us`` and/or ``max_batch_size`` of a
@@ -41,6 +44,20 @@ def attach(supervisor: Supervisor | None) -> None:
     _supervisor = supervisor
     _redis = None if supervisor is None else redis.Redis.from_url(
         supervisor.settings.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+
+
+def worker_info() -> dict[str, str]:
+    """``conveyor_models`` and one ``conveyor_slot <model>/<device>/<index>`` per inference
+    process (flat text, as Flower's worker page shows each value on one line)."""
+    if _supervisor is None:
+        return {}
+    slots = [s for s in _supervisor.slots if not s.retired]
+    info = {"conveyor_models": ", ".join(sorted({s.model for s in slots})) or "none"}
+    for slot in slots:
+        pid = slot.process.pid if slot.process is not None else None
+        info[f"conveyor_slot {slot.model}/{slot.device}/{slot.index}"] = (
+            f"{slot.state}, pid {pid}, {slot.restarts} restarts")
+    return info
 
 
 @control_command(args=[("model", str)], signature="[model]")

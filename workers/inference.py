@@ -24,7 +24,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -49,6 +49,7 @@ from workers.backends import (
     is_fatal_device_error,
     is_out_of_memory,
 )
+from workers.batch_report import BatchListener, BatchReport, failure
 from workers.model_thread import ModelThread
 from workers.shared_state import SharedState
 from workers.stream_port import ReclaimPort, StreamPort
@@ -67,11 +68,7 @@ FATAL_EXIT_CODE = 3
 Arrays = dict[str, npt.NDArray[Any]]
 
 
-BatchListener = Callable[[int, float, str], None]
-"""Told of every executed batch: rows, seconds, reason (for Celery task events)."""
-
-
-def _no_events(rows: int, seconds: float, reason: str) -> None:
+def _no_events(report: BatchReport) -> None:
     """The default listener: nobody is told."""
 
 
@@ -343,7 +340,8 @@ class InferenceLoop:
         self.streams.note("last_inference", int(finished * 1000))
         self.streams.answer(done.answered, counters)
         answered = time.time()
-        self.events(batch.rows, answered - started, batch.reason)
+        self.events(BatchReport(batch.rows, batch.reason, min(e.seen for e in batch.entries),
+                                started, answered, failure(done.answered)))
         self.reclaimer.observe_batch(answered - started)
         if all(reply.ok for _, reply in done.answered):
             self.policy.observe_batch(batch.rows, answered - started, answered)

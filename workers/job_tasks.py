@@ -33,6 +33,7 @@ import redis
 from celery import Task, bootsteps, shared_task
 from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
+from celery.states import REVOKED
 
 from batching.backoff import nth_delay
 from batching.callbacks import AllowList, CallbackRefused, Resolver, Target, check_callback, resolve
@@ -153,9 +154,16 @@ class _Progress:
 
 
 def _revoked(task: Task[Any, Any]) -> None:
-    """Show the cancelled job's task as REVOKED in the result backend and in Flower."""
-    task.update_state(state="REVOKED", meta={"reason": "cancelled"})
-    task.send_event("task-revoked", terminated=False, expired=False, signum=None)
+    """Show the cancelled job's task as REVOKED in the result backend and in Flower.
+
+    Celery's event state (which Flower keeps) ranks a custom state such as PROGRESS after
+    REVOKED, so a plain ``task-revoked`` following progress events would only add its
+    time and leave the task PROGRESS; an event's fields are still applied, so it carries
+    the state itself.
+    """
+    task.update_state(state=REVOKED, meta={"reason": "cancelled"})
+    task.send_event("task-revoked", terminated=False, expired=False, signum=None,
+                    state=REVOKED)
     raise Ignore()
 
 

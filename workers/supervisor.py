@@ -98,6 +98,18 @@ class Slot:
                 and self.shared is not None and self.shared.state == ProcState.READY)
 
     @property
+    def state(self) -> str:
+        """``failed``, ``restarting`` or ``starting`` (no process now), ``stopping`` (being
+        killed or draining), ``loading`` or ``ready``."""
+        if self.failed:
+            return "failed"
+        if self.process is None or not self.process.is_alive() or self.shared is None:
+            return "restarting" if self.restarts else "starting"
+        if self.kill_at or self.shared.state == ProcState.STOPPING:
+            return "stopping"
+        return "ready" if self.shared.state == ProcState.READY else "loading"
+
+    @property
     def name(self) -> str:
         return f"{socket.gethostname()}:{os.getpid()}:{self.model}:{self.device}:{self.index}:slot"
 
