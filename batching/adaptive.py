@@ -229,10 +229,17 @@ class AdaptivePolicy:
         }
 
     def shed_horizon_s(self, rows: int) -> float:
-        """``t(rows)`` once the fit has seen enough batches to trust (else 0: shed nothing)."""
+        """``t(rows)`` once the fit has seen enough batches to trust (else 0: shed nothing),
+        for at most the rows a batch may hold, and at most the rows that fit in the latency
+        target: where a full batch takes longer than the target, judging by it would shed
+        requests that a smaller batch still answers in time."""
         if self.latency.samples < self.trusted_after:
             return 0.0
-        return self.latency.predict(max(1, min(rows, effective_cap(self.max_rows, self.row_cap))))
+        a, b = self.latency.a, self.latency.b
+        rows = min(rows, effective_cap(self.max_rows, self.row_cap))
+        if b > 0.0:
+            rows = min(rows, math.floor((self.latency_target_s - a) / b))
+        return self.latency.predict(max(1, rows))
 
     def _hidden_wait(self, first_seen: float) -> float:
         if abs(first_seen - self._last_end) <= self.read_lag_s:

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 
 def poisson(rate: float, seconds: float, seed: int = 0) -> list[float]:
@@ -84,8 +85,7 @@ class _Connection(asyncio.Protocol):
         self._scheduled = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def send(self, request: bytes, scheduled: float) -> None:
         assert self.transport is not None
@@ -177,4 +177,52 @@ async def run(host: str, port: int, path: str, body: bytes, send_times: Sequence
     for conn in [*idle, *outstanding]:
         if conn.transport is not None:
             conn.transport.close()
+    return out
+
+
+async def closed(host: str, port: int, path: str, body: bytes, connections: int, seconds: float,
+                 content_type: str = "application/json") -> Outcome:
+    """Closed loop: each of ``connections`` sends its next request as soon as it is answered,
+    for ``seconds``; latencies are from each send."""
+    out = Outcome()
+    request = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: {content_type}\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    loop = asyncio.get_running_loop()
+    end = time.perf_counter() + seconds
+    stopped = asyncio.Event()
+    live = connections
+
+    def answered(conn: _Connection, status: int, scheduled: float) -> None:
+        nonlocal live
+        if stopped.is_set():
+            return
+        if status < 0:
+            out.lost += 1
+        else:
+            out.statuses.append(status)
+            out.latencies_ms.append((time.perf_counter() - scheduled) * 1e3)
+        now = time.perf_counter()
+        if status >= 0 and now < end:
+            out.sent += 1
+            conn.send(request, now)
+            return
+        live -= 1
+        if not live:
+            stopped.set()
+
+    conns = []
+    for _ in range(connections):
+        _, conn = await loop.create_connection(lambda: _Connection(answered), host, port)
+        conns.append(conn)
+    cpu0, start = time.process_time(), time.perf_counter()
+    for conn in conns:
+        out.sent += 1
+        conn.send(request, time.perf_counter())
+    try:
+        await asyncio.wait_for(stopped.wait(), seconds + 10.0)
+    finally:
+        out.cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - start)
+        for conn in conns:
+            if conn.transport is not None:
+                conn.transport.close()
     return out

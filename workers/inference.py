@@ -239,7 +239,9 @@ class InferenceLoop:
         if not len(self.former):
             return
         horizon = self.policy.shed_horizon_s(min(self.former.pending_rows, self.row_cap.cap))
-        late = self.former.take_expired(now + horizon) if horizon > 0.0 else []
+        if horizon <= 0.0:
+            return
+        late = self.former.take_expired(now + horizon)
         if late:
             self._answer_error(late, DeadlineExceeded(
                 f"cannot be answered before its deadline: a batch takes about "

@@ -120,3 +120,11 @@ def test_past_capacity_shedding_keeps_goodput_where_a_fixed_window_loses_it() ->
     adaptive = run_loop(arrivals, device, AdaptivePolicy(64, 0.02, latency_target_s=target), 64,
                         timeout_s=target)
     assert adaptive.goodput(target) > fixed.goodput(target) + 0.05
+
+
+def test_where_a_full_batch_overruns_the_target_the_horizon_is_the_batch_that_fits() -> None:
+    policy = AdaptivePolicy(64, 0.02, latency_target_s=0.05)
+    for rows in (1, 16, 32, 64) * 4:
+        policy.observe_batch(rows, 0.012 + 0.0007 * rows, 1.0)
+    fits = policy.shed_horizon_s(64)
+    assert fits <= 0.05 and abs(fits - (0.012 + 0.0007 * 54)) < 0.001
