@@ -211,11 +211,13 @@ def run_loop(arrivals: Sequence[float] | Stream, device: Device, policy: Policy,
             if nxt is None:
                 break
             now = max(now, nxt)
-        got = stream.read(now, max_rows - len(pending))
+        room = max_rows - len(pending)
+        got = stream.read(now, room)
+        backlog = len(got) >= room
         if got:
             pending.extend((t, now) for t in got)
             policy.observe_arrivals(len(got), now)
-        horizon = now + policy.shed_horizon_s(min(len(pending), max_rows))
+        horizon = now + (policy.shed_horizon_s(min(len(pending), max_rows)) if backlog else 0.0)
         while pending and pending[0][0] + timeout_s <= horizon:
             pending.popleft()  # answered with a timeout, never run
             expired += 1

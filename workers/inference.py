@@ -139,6 +139,8 @@ class InferenceLoop:
         """How long the last batch took in the model thread."""
         self.batches = 0
         self.rows = 0
+        self._backlog = False
+        """The last read took all the rows there was room for: more is likely waiting."""
         self._last_answered = 0.0
         """When the last batch's answers were sent (time.time())."""
         self._cpu_mark = time.thread_time()
@@ -206,7 +208,9 @@ class InferenceLoop:
                 # load the loop seldom sleeps, and polling would take CPU from the
                 # processes feeding it.
                 poll, self._lone = self._lone, False
-                self._arrived(self.streams.read(room, block, poll=poll))
+                fresh = self.streams.read(room, block, poll=poll)
+                self._backlog = len(fresh) >= room
+                self._arrived(fresh)
                 room = bound - self.former.pending_rows
             now = time.time()
         elif not self.stopping and self.former.best_priority > 1:
@@ -231,12 +235,14 @@ class InferenceLoop:
             time.sleep(min(self.former.decide(now).wait_s, 0.001))
 
     def _answer_expired(self, now: float) -> None:
-        """Answer, without running them, the entries whose deadline has passed, and those
-        the policy says a batch started now could not answer in time."""
+        """Answer, without running them, the entries whose deadline has passed, and, while
+        more waits than this process can hold (past capacity), those the policy says a batch
+        started now could not answer in time. Below capacity nothing is shed on a forecast:
+        a noisy fit would cost requests that make it."""
         expired = self.former.take_expired(now)
         if expired:
             self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
-        if not len(self.former):
+        if not (len(self.former) and self._backlog):
             return
         horizon = self.policy.shed_horizon_s(min(self.former.pending_rows, self.row_cap.cap))
         if horizon <= 0.0:

@@ -58,30 +58,41 @@ def teach(loop: InferenceLoop, seconds: float, batches: int = 12) -> None:
         loop.policy.observe_batch(1, seconds, time.time())
 
 
-def test_the_adaptive_policy_answers_at_once_what_a_batch_cannot_finish_in_time() -> None:
+def test_past_capacity_the_adaptive_policy_answers_at_once_what_a_batch_cannot_finish_in_time() -> None:
     loop, streams, model = make_loop(adaptive=True)
     teach(loop, 0.5)
-    hopeless, fine = request(0.2), request(60.0)
-    streams.put(hopeless)
-    streams.put(fine)
+    hopeless, fine = request(0.2), [request(60.0) for _ in range(8)]
+    for each in (hopeless, *fine):  # more than the 8 rows the process holds: a backlog
+        streams.put(each)
     loop.step()
     got = {r.id: r for r in streams.replies(REPLY)}
     assert got[hopeless.id].error_code == "deadline_exceeded"
     assert "before its deadline" in got[hopeless.id].error
-    assert got[fine.id].ok
-    assert model.ran == [1]
+    assert all(got[each.id].ok for each in fine[:7])
+    assert model.ran == [7]
     assert streams.stats["shed_count"] == 1
+
+
+def test_below_capacity_nothing_is_shed_on_a_forecast() -> None:
+    loop, streams, model = make_loop(adaptive=True)
+    teach(loop, 0.5)
+    soon, fine = request(0.2), request(60.0)
+    streams.put(soon)
+    streams.put(fine)
+    loop.step()
+    assert [r.ok for r in streams.replies(REPLY)] == [True, True]
+    assert model.ran == [2] and streams.stats["shed_count"] == 0
 
 
 def test_nothing_is_shed_before_the_fit_is_trusted_nor_under_a_fixed_window() -> None:
     for adaptive, taught in ((True, 3), (False, 12)):
         loop, streams, model = make_loop(adaptive=adaptive)
         teach(loop, 0.5, taught)
-        soon = request(0.2)
-        streams.put(soon)
+        for _ in range(9):
+            streams.put(request(0.2))
         loop.step()
-        assert [r.ok for r in streams.replies(REPLY)] == [True]
-        assert model.ran == [1] and streams.stats["shed_count"] == 0
+        assert [r.ok for r in streams.replies(REPLY)] == [True] * 8
+        assert model.ran == [8] and streams.stats["shed_count"] == 0
 
 
 def test_the_horizon_is_the_fitted_time_of_the_batch_that_would_start() -> None:
