@@ -114,6 +114,7 @@ class WorkerWatch:
             workers = ModelWorkers()
             for consumer, beat in raw.items():
                 state = json.loads(beat)
+                state.setdefault("consumer", consumer.decode())  # a slot's beat names none
                 age = now - float(state.get("ts", 0))
                 if age > FORGET_AFTER_S:
                     stale.append((model, consumer))

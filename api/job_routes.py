@@ -35,11 +35,13 @@ from batching.callbacks import AllowList, check_callback
 from batching.envelope import Reply
 from batching.errors import InvalidInput, ModelNotFound, Unavailable
 from batching.job_record import (
+    FINISHED,
     TRANSITION_LUA,
     UNFINISHED,
     WAKE,
     JobRecord,
     JobState,
+    count_move,
     join_chunks,
     pack_tensors,
     unpack_tensors,
@@ -131,6 +133,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         pipe.hset(keys.job(record.id), mapping=cast(Mapping[Any, str], record.to_hash()))
         pipe.expire(keys.job(record.id), ttl)
         pipe.sadd(keys.jobs_active(), record.id)
+        count_move(pipe, keys.jobs_counted(), None, JobState.PENDING)
         for listing in {keys.jobs_listed(""), keys.jobs_listed(record.owner)}:
             pipe.zadd(listing, {record.id: record.created_at})
             pipe.zremrangebyscore(listing, "-inf", record.created_at - ttl)
@@ -141,8 +144,11 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
 
     async def _forget(job_id: str) -> None:
         try:
-            await service.dispatcher.redis.delete(keys.job(job_id), keys.job_input(job_id))
-            await service.dispatcher.redis.srem(keys.jobs_active(), job_id)
+            pipe = service.dispatcher.redis.pipeline(transaction=False)
+            pipe.delete(keys.job(job_id), keys.job_input(job_id))
+            pipe.srem(keys.jobs_active(), job_id)
+            count_move(pipe, keys.jobs_counted(), JobState.PENDING, None)
+            await pipe.execute()
         except REDIS_FAILED as exc:
             log.warning("could not remove unqueued job %s: %s", job_id, exc)
 
@@ -208,6 +214,10 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             if before is None:
                 raise ModelNotFound(f"unknown job {job_id!r} (or its result expired)")
             state = JobState(before.decode())
+            if state not in FINISHED:
+                pipe = redis.pipeline(transaction=False)
+                count_move(pipe, keys.jobs_counted(), state, JobState.CANCELLED)
+                await pipe.execute()
             if state is JobState.RUNNING:  # wake its task, which withdraws what is in flight
                 pipe = redis.pipeline(transaction=False)
                 pipe.rpush(keys.job_replies(job_id), Reply(WAKE).encode())

@@ -28,6 +28,7 @@ from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
 from api.job_routes import jobs_router
 from api.metrics import ApiMetrics
+from api.periodic import Periodic
 from api.repository_control import Repository
 from api.routes import VERSION, add_routes
 from api.service import InferenceService
@@ -81,6 +82,11 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
                             failed=scan.failed, control=settings.model_control == "explicit")
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
+
+    async def sample_memory() -> None:
+        service.metrics.sample_memory()
+
+    memory = Periodic("conveyor-memory", settings.heartbeat_interval_s, sample_memory)
     grpc_endpoint = grpc_server(service, repository, settings, guard) if grpc else None
 
     @asynccontextmanager
@@ -89,6 +95,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         await repository.start()
         await watch.start()
         await shm.start()
+        memory.start()
         if grpc_endpoint is not None:
             await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
@@ -99,6 +106,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         if grpc_endpoint is not None:
             await grpc_endpoint.close()
         await repository.close()
+        await memory.close()
         await shm.close()
         await watch.close()
         await dispatcher.close()

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from prometheus_client.multiprocess import mark_process_dead
 from uvicorn.config import STARTUP_FAILURE
 
 from batching.backoff import Backoff
@@ -107,6 +108,7 @@ class ProcessPool:
             started = self._children.pop(pid, None)
             if started is None:
                 continue
+            _forget_metrics(pid)
             code = os.waitstatus_to_exitcode(status)
             if code == STARTUP_FAILURE:
                 log.error("API process %d could not start; stopping the others", pid)
@@ -135,6 +137,13 @@ class ProcessPool:
             _signal(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         self._children.clear()
+
+
+def _forget_metrics(pid: int) -> None:
+    """Take an exited child's live gauges (requests in flight, resident memory) out of the
+    processes' sum (docs/metrics.md); its counters stay counted."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
 def _signal(pid: int, sig: int) -> None:

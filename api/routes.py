@@ -160,6 +160,13 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
         await repository.unload(model)
         return JSONResponse({})
 
+    @app.head("/metrics")
+    async def metrics_head() -> Response:
+        """A GET's headers without its body: the length is that of the text a scrape got
+        now, from the state last read (Redis is not read for a HEAD)."""
+        length = len(service.metrics.exposition())
+        return Response(media_type=CONTENT_TYPE_LATEST, headers={"content-length": str(length)})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         index = await repository.index(reasons=False)

@@ -84,6 +84,8 @@ class InferenceService:
             self._count(UNKNOWN_MODEL, exc.code, started)
             raise
         regions: Binding | None = None
+        in_flight = self.metrics.of(model).in_flight
+        in_flight.inc()
         try:
             parsed = await parse(config)
             parsed.version = version
@@ -126,6 +128,7 @@ class InferenceService:
             self._count(model, ConveyorError.code, started)
             raise ConveyorError(f"internal error: {type(exc).__name__}: {exc}") from exc
         finally:
+            in_flight.dec()
             if regions is not None:
                 regions.close()
         self._count(model, "success", started)
@@ -141,9 +144,9 @@ class InferenceService:
         return await self.shm.bind(parsed, model)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
-        series = self.metrics.of(model)
-        series.outcome(outcome).inc()
-        series.duration.observe(time.perf_counter() - started)
+        requests, duration = self.metrics.of(model).outcome(outcome)
+        requests.inc()
+        duration.observe(time.perf_counter() - started)
 
 
 def requested_priority(parsed: InferRequest, levels: int, default: int, default_name: str) -> int:

@@ -49,6 +49,15 @@ UNFINISHED = f"{JobState.PENDING},{JobState.RUNNING}"
 """The states a job may leave, in the form job_transition.lua takes."""
 
 
+def count_move(pipe: Any, counted_key: str, before: str | None, after: str | None) -> None:
+    """Queue on ``pipe`` the change to the job counts (``Keys.jobs_counted``) of a job
+    that moved from state ``before`` (None: a new job) to ``after`` (None: deleted)."""
+    if before is not None:
+        pipe.hincrby(counted_key, before, -1)
+    if after is not None:
+        pipe.hincrby(counted_key, after, 1)
+
+
 @dataclass(slots=True)
 class JobRecord:
     """The job hash, typed. Timestamps are Unix seconds; 0 means not yet."""

@@ -93,6 +93,11 @@ class Keys:
         """Set of ids of jobs not yet finished (what the job reaper looks at)."""
         return f"{self.prefix}:jobs:active"
 
+    def jobs_counted(self) -> str:
+        """Hash: job state -> jobs in it now (PENDING, RUNNING) or that ended in it
+        (SUCCEEDED, FAILED, CANCELLED), kept up to date with each move (the metrics)."""
+        return f"{self.prefix}:jobs:counted"
+
     def jobs_listed(self, owner: str) -> str:
         """Sorted set of the most recent job ids (score: creation time) of one owner (the
         digest of its API key), or of every job for ``owner`` "" (``GET /v1/jobs``)."""

@@ -66,7 +66,8 @@ class EndToEnd:
             metrics = response.read().decode(errors="replace")
         self.rec.emit("metrics_sample", note="one API process's registry (of --workers N)",
                       lines=[ln for ln in metrics.splitlines()
-                             if ln.startswith(("conveyor_batch_size_sum", "conveyor_batch_size_count",
+                             if ln.startswith(("conveyor_request_batch_size_sum",
+                                               "conveyor_request_batch_size_count",
                                                "conveyor_requests_total", "conveyor_oom"))
                              and f'model="{BENCH_MODEL}"' in ln])
 

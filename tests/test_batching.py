@@ -145,12 +145,13 @@ def test_metrics_explain_batching_decisions(stack: Stack) -> None:
     def scraped() -> str:
         return httpx.get(f"{stack.url}/metrics").text
 
-    wait_for(lambda: 'conveyor_policy_arrival_rate{consumer=' in scraped(), 10,
-             "policy estimates in the metrics")
+    row_cap = re.compile(r'conveyor_row_cap\{consumer="[^"]+",model="oom"\} [1-5]\.0')
+    wait_for(lambda: row_cap.search(scraped()) is not None, 10,
+             "the lowered row cap in the metrics (with the next heartbeat)")
     text = scraped()
+    assert 'conveyor_policy_arrival_rate_rows_per_second{consumer=' in text
     assert re.search(r'conveyor_batches_total\{model="ragged",reason="\w+"\} [1-9]', text)
     assert 'conveyor_batch_wait_seconds_total{model="ragged"}' in text
     assert re.search(r'conveyor_batch_execution_seconds_count\{model="ragged"\} [1-9]', text)
-    assert re.search(r'conveyor_row_cap\{consumer="[^"]+",model="oom"\} [1-5]\.0', text)
     assert 'conveyor_oom_total{model="oom"}' in text
     assert 'conveyor_worker_restarts_total{model="ragged"} 0.0' in text

@@ -5,23 +5,40 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import pytest
 import yaml
 
+from batching.job_record import JOB_QUEUE
 from tests.procs import ROOT
 
 
 def test_docker_compose_declares_the_services_and_a_gpu_reservation() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"redis", "api", "worker", "flower"} <= set(services)
+    assert {"redis", "api", "worker", "jobs", "flower"} <= set(services)
     assert "8000:8000" in services["api"]["ports"]
     assert any("5555" in port for port in services["flower"]["ports"])
     gpu = [s for s in services.values()
            if s.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")]
     assert gpu, "no service shows how to reserve a GPU"
-    if shutil.which("docker-compose"):
-        subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                       check=True)
+
+
+def test_docker_compose_runs_a_job_worker() -> None:
+    """Jobs are Celery tasks on cv.jobs, which inference workers do not consume: without a
+    job worker every job stays PENDING."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    consumers = [s["command"] for s in services.values()
+                 if s.get("command", [])[4:6] == ["-Q", JOB_QUEUE] and not s.get("profiles")]
+    assert len(consumers) == 1
+    assert consumers[0][:4] == ["celery", "-A", "workers.app", "worker"]
+    assert "--no-inference" in consumers[0]
+
+
+def test_docker_compose_config_is_valid() -> None:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (Debian: apt-get install docker-compose)")
+    subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                   check=True, cwd=ROOT)
 
 
 def test_procfile_process_types_honour_port() -> None:
@@ -33,13 +50,18 @@ def test_procfile_process_types_honour_port() -> None:
 
 
 def test_kubernetes_manifests_parse_and_probe_the_right_paths() -> None:
-    docs = [d for path in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+    docs = [d for path in sorted((ROOT / "deploy" / "kubernetes").rglob("*.yaml"))
             for d in yaml.safe_load_all(path.read_text()) if d]
-    containers = {c["name"]: c for d in docs if d["kind"] == "Deployment"
-                  for c in d["spec"]["template"]["spec"]["containers"]}
-    assert containers["api"]["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert containers["api"]["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert containers["worker"]["readinessProbe"]["httpGet"]["path"] == "/ready"
+    containers = [c for d in docs if d["kind"] == "Deployment"
+                  for c in d["spec"]["template"]["spec"]["containers"]]
+    (api,) = [c for c in containers if c["name"] == "api"]
+    assert api["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert api["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    workers = [c for c in containers if c["name"] == "worker"]
+    assert len(workers) >= 3  # the CPU pool and a pool per GPU kind
+    for worker in workers:
+        assert worker["livenessProbe"]["httpGet"]["path"] == "/live"
+        assert worker["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
 def test_containers_start_the_api_with_its_guards_and_require_keys() -> None:

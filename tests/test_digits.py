@@ -60,8 +60,8 @@ def test_tritonclient_64_concurrent_clients_get_correct_predictions(digits_stack
     assert accuracy >= 0.95
 
     metrics = httpx.get(f"{digits_stack.url}/metrics").text
-    total = sample(metrics, r'conveyor_batch_size_count\{model="digits"\} (\S+)')
-    single = sample(metrics, r'conveyor_batch_size_bucket\{le="1.0",model="digits"\} (\S+)')
+    total = sample(metrics, r'conveyor_request_batch_size_count\{model="digits"\} (\S+)')
+    single = sample(metrics, r'conveyor_request_batch_size_bucket\{le="1.0",model="digits"\} (\S+)')
     assert total >= len(x)
     assert single < total, "no request ran in a batch larger than one"
 

@@ -107,5 +107,5 @@ def test_api_processes_sharing_a_multiprocess_dir_report_their_sum(make_stack: M
     for url in (first, second):
         text = httpx.get(f"{url}/metrics").text
         assert 'conveyor_requests_total{model="echo",outcome="success"} 5.0' in text
-        assert 'conveyor_batch_size_count{model="echo"} 5.0' in text
+        assert 'conveyor_request_batch_size_count{model="echo"} 5.0' in text
         assert "conveyor_queue_depth{" in text  # the state read from Redis is still there

@@ -1,4 +1,7 @@
-"""An inference process announces its state in the model's heartbeat hash, once a second."""
+"""An inference process announces its state in the model's heartbeat hash, once a second.
+
+Each beat also carries the process's resident memory (``rss_bytes``), read as it beats:
+loading a model is when it grows most."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ import redis
 from redis.exceptions import RedisError
 
 from batching.keys import Keys
+from batching.process_memory import resident_bytes
 
 
 class Heartbeat:
-    """Background thread writing ``consumer -> {state, device, pid, ts, ...}``."""
+    """Background thread writing ``consumer -> {state, device, pid, ts, rss_bytes, ...}``."""
 
     def __init__(self, client: redis.Redis, keys: Keys, model: str, consumer: str,
                  device: str, interval_s: float,
@@ -55,7 +59,8 @@ class Heartbeat:
         # While Redis is down beats are lost; the first one after it returns re-announces us.
         with contextlib.suppress(RedisError):
             self._redis.hset(self._key, self._consumer,
-                             json.dumps({**self.info, "ts": time.time()}))
+                             json.dumps({**self.info, "ts": time.time(),
+                                         "rss_bytes": resident_bytes()}))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

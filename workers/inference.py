@@ -38,9 +38,11 @@ from batching.datatypes import from_numpy
 from batching.envelope import VERSION, Reply, Tensor
 from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unavailable
 from batching.former import Batch, BatchFormer, Entry, Layout
+from batching.histograms import execution_field
 from batching.keys import COMPUTE_PHASES, Keys
 from batching.memory import RowCap
 from batching.policy_choice import make_policy
+from batching.service_rate import ServiceRate
 from workers.backends import (
     LoadedModel,
     error_summary,
@@ -145,6 +147,8 @@ class InferenceLoop:
         """When the last batch's answers were sent (time.time())."""
         self._cpu_mark = time.thread_time()
         """This thread's CPU time when the last batch's answers were sent."""
+        self.service = ServiceRate()
+        """Rows per second of running batches, published with the heartbeat."""
         self._out_types = {t.name: t.datatype for t in config.outputs}
 
     def apply_control(self, overrides: dict[str, int]) -> None:
@@ -165,7 +169,8 @@ class InferenceLoop:
         return {"batches": self.batches, "rows": self.rows,
                 "mean_batch": self.rows / self.batches if self.batches else 0.0,
                 "row_cap": self.row_cap.cap, "max_batch_size": self.row_cap.limit,
-                "max_queue_delay_us": int(self.policy.max_delay_s * 1e6)}
+                "max_queue_delay_us": int(self.policy.max_delay_s * 1e6),
+                "service_rows_per_s": self.service.rows_per_s}
 
     @property
     def idle(self) -> bool:
@@ -357,6 +362,7 @@ class InferenceLoop:
         batch, started, finished = done.batch, done.started, done.finished
         self.batches += 1
         self.rows += batch.rows
+        self.service.observe(batch.rows, finished - started)
         self._lone = batch.lone
         counters = _batch_counters(done.answered, batch.rows, started, finished, done.phase_ns)
         counters[f"reason:{batch.reason}"] = 1
@@ -532,6 +538,7 @@ def _batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: flo
         "queue_ns": since_enqueued_ns([e for e, _ in answered], started),
         f"batch:{rows}:count": 1,
         f"batch:{rows}:ns": exec_ns,
+        execution_field(finished - started): 1,
     }
     for phase, ns in zip(COMPUTE_PHASES, phase_ns, strict=True):
         counters[f"{phase}_count"] = n

@@ -40,6 +40,7 @@ from batching.job_record import (
     JobRecord,
     JobState,
     Rows,
+    count_move,
     pack_tensors,
     signature,
     unpack_tensors,
@@ -139,7 +140,12 @@ class JobRunner:
         fields: list[Any] = [] if self.record.started_at else ["started_at", repr(time.time())]
         before = self._transition(keys=[self._job_key],
                                   args=[JobState.RUNNING, UNFINISHED, *fields])
-        return None if before is None else JobState(before.decode())
+        if before is None:
+            return None
+        state = JobState(before.decode())
+        if state is JobState.PENDING:
+            self._count_move(state, JobState.RUNNING)
+        return state
 
     def run(self) -> JobState:
         unreachable = Backoff(*BACKOFF_S)
@@ -325,6 +331,7 @@ class JobRunner:
             self._todo.remove(index)
         self._stored.add(index)
         self.record.done += self.rows.rows(index)
+        pipe.hincrby(self.keys.stats(self.record.model), "job_rows", self.rows.rows(index))
         pipe.hset(self.keys.job_chunks(self.record.id), str(index), pack_tensors(reply.outputs))
 
     def _check_signature(self, index: int, outputs: list[Tensor]) -> None:
@@ -348,8 +355,15 @@ class JobRunner:
         if before is None or before.decode() not in (JobState.RUNNING, state):
             self.cancelled()  # cancelled while the last replies came in
             return JobState.CANCELLED
+        if before.decode() == JobState.RUNNING:
+            self._count_move(JobState.RUNNING, state)
         self._clean_up(keep_result=state is JobState.SUCCEEDED)
         return state
+
+    def _count_move(self, before: JobState, after: JobState) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        count_move(pipe, self.keys.jobs_counted(), before, after)
+        pipe.execute()
 
     def cancelled(self) -> None:
         """The job was cancelled: withdraw what is in flight and delete all but its record."""

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -263,16 +264,16 @@ class JobReaper(bootsteps.StartStopStep):
 
 
 def reap(ctx: JobContext, app: Any) -> None:
-    """Resend every RUNNING job with no lease; forget finished or expired ones."""
+    """Resend every RUNNING job with no lease; forget finished or expired ones; recount
+    the unfinished jobs."""
     active = sorted(as_text(m) for m in ctx.redis.smembers(ctx.keys.jobs_active()))
-    if not active:
-        return
     pipe = ctx.redis.pipeline(transaction=False)
     for job_id in active:
         pipe.hget(ctx.keys.job(job_id), "state")
         pipe.exists(ctx.keys.job_lease(job_id))
-    answers = pipe.execute()
+    answers = pipe.execute() if active else []
     lease_ms = int(ctx.settings.job_lease_s * 1000)
+    recount(ctx, answers[::2])
     for job_id, state, leased in zip(active, answers[::2], answers[1::2], strict=True):
         if state is None or state.decode() in FINISHED:
             ctx.redis.srem(ctx.keys.jobs_active(), job_id)
@@ -281,3 +282,12 @@ def reap(ctx: JobContext, app: Any) -> None:
             if ctx.redis.set(ctx.keys.job_lease(job_id), token, nx=True, px=lease_ms):
                 log.warning("job %s lost its worker; resending it to resume", job_id)
                 send_job(app, job_id, token)
+
+
+def recount(ctx: JobContext, states: list[bytes | None]) -> None:
+    """Set the counts of PENDING and RUNNING jobs (``Keys.jobs_counted``) to the states
+    the reaper just read. Each move keeps them exact; this takes off what no move
+    counts, a job whose record expired before it ran."""
+    found = Counter(as_text(s) for s in states if s is not None)
+    ctx.redis.hset(ctx.keys.jobs_counted(),
+                   mapping={state: found[state] for state in (JobState.PENDING, JobState.RUNNING)})

@@ -129,7 +129,7 @@ def test_metrics_count_outcomes_and_batch_sizes(client: TestClient) -> None:
     assert 'conveyor_protocol_requests_total{protocol="http_json"} 2.0' in text
     assert "conveyor_request_duration_seconds_bucket" in text
     assert 'conveyor_queue_duration_seconds_bucket{le="0.005",model="echo"} 1.0' in text
-    assert 'conveyor_batch_size_bucket{le="1.0",model="echo"} 1.0' in text
+    assert 'conveyor_request_batch_size_bucket{le="1.0",model="echo"} 1.0' in text
 
 
 def test_a_model_without_any_worker_is_503_before_the_dispatcher(
