@@ -178,6 +178,13 @@ DEAD_LETTER = MetricDef(
     "Requests moved to the model's dead-letter stream after more than `max_deliveries` "
     "deliveries (`dead_letter_count`).",
     "redis")
+SHED = MetricDef(
+    "conveyor_shed_total", "counter", ("model",),
+    "Requests answered at once because a batch could not finish before their deadline",
+    "Requests the adaptive policy answered `504` without running them, past capacity, "
+    "because a batch started then could not have finished before their deadline "
+    "(`shed_count`; [batching.md](batching.md#past-capacity-late-requests-are-answered-at-once)).",
+    "redis")
 RESTARTS = MetricDef(
     "conveyor_worker_restarts_total", "counter", ("model",),
     "Inference processes replaced after they died, hung or failed to load",
@@ -271,6 +278,6 @@ RESIDENT_MEMORY = MetricDef(
 
 ALL = (REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, REQUEST_BATCH_SIZE,
        IN_FLIGHT, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
-       BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, RESTARTS, JOB_ROWS,
+       BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, SHED, RESTARTS, JOB_ROWS,
        JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP, ARRIVAL_RATE,
        LATENCY_INTERCEPT, LATENCY_SLOPE, GPU_USED, GPU_TOTAL, RESIDENT_MEMORY)

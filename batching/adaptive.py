@@ -20,6 +20,13 @@ asks while nothing runs):
   before its deadline, given the expected arrivals and ``t(n)``; it never outlasts
   ``max_queue_delay_us``, and it gives up as soon as arrivals stop (the rate estimate falls
   to ``1/gap`` once the gap since the last read row exceeds ``1/λ``).
+* ``t(n)`` is the whole path of a batch, not the model alone: the time from when the loop
+  could start on it (the previous answer sent, or its last row read) to its answers sent,
+  so reading, decoding, splitting and answering count as they do for the clients.
+* A waiting request whose deadline falls before ``t(n)`` from now cannot be answered in
+  time: it is answered at once with a deadline error instead of run late
+  (:meth:`AdaptivePolicy.shed_horizon_s`), so past capacity the device spends itself on
+  requests that can still make it, and goodput stays near capacity.
 * ``max_batch_size`` and the learned ``row_cap`` bound every batch; with
   ``preferred_batch_sizes`` a ready preferred size goes unless the next one can still be
   reached in time.
@@ -149,6 +156,8 @@ class AdaptivePolicy:
     """Wait only while even one more row would leave the batch under ``n*/shortfall``."""
     read_lag_s: float = 0.002
     """Rows read this soon after a batch may have queued all through it."""
+    trusted_after: int = 8
+    """Batches the latency fit must have seen before it decides that a request is late."""
     latency: LatencyModel = field(default_factory=LatencyModel)
     arrivals: ArrivalRate = field(default_factory=ArrivalRate)
     _last_end: float = -math.inf
@@ -218,6 +227,19 @@ class AdaptivePolicy:
             "latency_b_s_per_row": self.latency.b,
             "row_cap": float(effective_cap(self.max_rows, self.row_cap)),
         }
+
+    def shed_horizon_s(self, rows: int) -> float:
+        """``t(rows)`` once the fit has seen enough batches to trust (else 0: shed nothing),
+        for at most the rows a batch may hold, and at most the rows that fit in the latency
+        target: where a full batch takes longer than the target, judging by it would shed
+        requests that a smaller batch still answers in time."""
+        if self.latency.samples < self.trusted_after:
+            return 0.0
+        a, b = self.latency.a, self.latency.b
+        rows = min(rows, effective_cap(self.max_rows, self.row_cap))
+        if b > 0.0:
+            rows = min(rows, math.floor((self.latency_target_s - a) / b))
+        return self.latency.predict(max(1, rows))
 
     def _hidden_wait(self, first_seen: float) -> float:
         if abs(first_seen - self._last_end) <= self.read_lag_s:

@@ -42,6 +42,13 @@ class Policy(Protocol):
         """The policy's current estimates, for metrics (empty when it keeps none)."""
         ...
 
+    def shed_horizon_s(self, rows: int) -> float:
+        """How long a batch of ``rows`` started now would take to be answered, when the
+        policy knows: a waiting entry whose deadline falls sooner cannot be answered in time
+        and is answered at once with an error instead of run late. 0: only entries whose
+        deadline has already passed are (Triton's rule)."""
+        ...
+
 
 class TunablePolicy(Policy, Protocol):
     """A policy whose window the inference loop may change at run time (Celery's
@@ -102,4 +109,8 @@ class FixedWindow:
 
     def estimates(self) -> dict[str, float]:
         return {}
+
+    def shed_horizon_s(self, rows: int) -> float:
+        """As in Triton, a request runs unless its deadline has already passed."""
+        return 0.0
 

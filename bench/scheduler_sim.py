@@ -194,8 +194,11 @@ Stream = OpenStream | ClosedStream
 
 
 def run_loop(arrivals: Sequence[float] | Stream, device: Device, policy: Policy, max_rows: int,
-             timeout_s: float = 30.0, poll_s: float = POLL_S) -> Outcome:
-    """The inference loop with ``policy``: read, drop expired, decide, run or sleep."""
+             timeout_s: float = 30.0, poll_s: float = POLL_S, overhead_s: float = 0.0) -> Outcome:
+    """The inference loop with ``policy``: read, answer the expired and those the policy
+    says cannot finish in time (without running them), decide, run or sleep. Each batch
+    costs ``overhead_s`` beyond the device (reading, decoding, answering), and the policy
+    observes the whole."""
     stream = arrivals if isinstance(arrivals, OpenStream | ClosedStream) else OpenStream(arrivals)
     done: list[float] = []
     pending: deque[tuple[float, float]] = deque()  # (arrival, seen), oldest first
@@ -208,11 +211,14 @@ def run_loop(arrivals: Sequence[float] | Stream, device: Device, policy: Policy,
             if nxt is None:
                 break
             now = max(now, nxt)
-        got = stream.read(now, max_rows - len(pending))
+        room = max_rows - len(pending)
+        got = stream.read(now, room)
+        backlog = len(got) >= room
         if got:
             pending.extend((t, now) for t in got)
             policy.observe_arrivals(len(got), now)
-        while pending and pending[0][0] + timeout_s <= now:
+        horizon = now + (policy.shed_horizon_s(min(len(pending), max_rows)) if backlog else 0.0)
+        while pending and pending[0][0] + timeout_s <= horizon:
             pending.popleft()  # answered with a timeout, never run
             expired += 1
         if not pending:
@@ -220,7 +226,7 @@ def run_loop(arrivals: Sequence[float] | Stream, device: Device, policy: Policy,
         decision: Decision = policy.decide(now, len(pending), pending[0][1], pending[0][0] + timeout_s)
         if decision.dispatch:
             rows = min(len(pending), decision.max_rows or max_rows)
-            took = device.seconds(rows)
+            took = device.seconds(rows) + overhead_s
             now += took
             done.extend(now - pending.popleft()[0] for _ in range(rows))
             policy.observe_batch(rows, took, now)
@@ -265,6 +271,10 @@ class LitServeWindow:
 
     def estimates(self) -> dict[str, float]:
         return {}
+
+    def shed_horizon_s(self, rows: int) -> float:
+        """LitServe runs every request it takes."""
+        return 0.0
 
 
 @dataclass(slots=True)

@@ -1,15 +1,21 @@
-"""Batching policy benchmark for mlp_medium: the window check and an open-loop Poisson sweep.
+"""Batching policies on the real stack: goodput of the adaptive policy against fixed windows,
+under open-loop Poisson and on/off arrivals, with the simulator's prediction beside each point.
 
-Usage: python -m bench.sweep [--duration 10] [--warmup 2] [--point-s 8] [--rates 10,30,...]
+Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny] [--loads 10,30,50,70,85,95,110,125]
+                             [--fixed 0,1000,2000,5000,10000,20000] [--arrivals poisson,on-off]
+                             [--point-s 4] [--warmup-s 1] [--target-ms 50] [--max-lag-ms 5]
                              [--out bench/RESULTS-batching.md]
 
-1. Window check: conveyor with `batching: {max_queue_delay_us: 20000, adaptive: true}` under
-   wrk at c=1 and c=64, plus mlp_tiny at c=1 (default config) and the raw models' batch-1
-   time, so "c=1 p50 within 2 ms of batch-1 time + fixed-path overhead" can be checked.
-2. Open loop: Poisson arrivals (asyncio + aiohttp, one keep-alive session) at shares of the
-   capacity (conveyor's closed-loop c=64 req/s from step 1) for adaptive, fixed 0 and
-   fixed 5000 µs; requests carry `parameters.timeout`, so overload gives 504s.
-Servers are started with bench.run's helpers; one system runs at a time.
+Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the adaptive
+policy measures its closed-loop capacity (64 connections, req/s) and the whole-path batch time
+its policy learned (``t(n) = a + b·n``); then each policy in turn serves every arrival pattern
+at every load (a share of that capacity). Requests carry ``parameters.timeout`` = the latency
+target: a client that wants its answer within the target says so. Goodput = answers with
+status 200 within the target, per second. The generator (bench.open_loop) reports its own CPU
+and send lag; a point whose send lag p99 exceeds --max-lag-ms is refused (marked, and left out
+of the verdict). The simulator (bench.scheduler_sim.run_loop) gets the same send times, a
+device with the learned ``t(n)`` and the same policy, and the fixed path outside the worker
+(c=1 latency minus ``t(1)``) added to every answer.
 """
 
 from __future__ import annotations
@@ -18,279 +24,200 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import subprocess
+import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-import aiohttp
-import redis
 import uvloop
 
-from batching.keys import Keys
-from batching.settings import Settings
+from batching.adaptive import AdaptivePolicy
+from batching.policy import FixedWindow, Policy
+from bench import open_loop
 from bench import run as base
-from bench.models import write_repository
-from bench.run_report import NCPU
-from bench.wrk import run_wrk
+from bench.models import MAX_BATCH_SIZE, write_repository
+from bench.scheduler_sim import Device, run_loop
+from bench.sweep_report import Point, Setting, report
 from conveyor.harness import RedisServer, free_port
 
-MODEL = "mlp_medium"
-
-
-def set_batching(repo: Path, model: str, delay_us: int, adaptive: bool, target_ms: float) -> None:
-    """The model's ``config.yaml``: only this batching section (the rest from the ONNX graph
-    and the defaults)."""
-    (repo / model / "config.yaml").write_text(f"batching:\n  max_queue_delay_us: {delay_us}\n  adaptive: "
-                    f"{str(adaptive).lower()}\n  latency_target_ms: {target_ms:g}\n")
+ARRIVALS: dict[str, Callable[[float, float, int], list[float]]] = {
+    "poisson": lambda rate, seconds, seed: open_loop.poisson(rate, seconds, seed),
+    "on-off": lambda rate, seconds, seed: open_loop.on_off(rate, seconds, 0.1, 0.1, seed),
+}
+"""Send times by pattern; on-off: 100 ms at twice the rate, then 100 ms silent."""
+ADAPTIVE_BOUND_US = 20000
 
 
 @dataclass
-class Server:
-    url: str
-    stats: redis.Redis
+class Stack:
+    host: str
+    port: int
     model: str
-    keys: Keys
+    body: bytes
 
-    def counts(self) -> tuple[int, int]:
-        raw = self.stats.hgetall(self.keys.stats(self.model))
-        return int(raw.get(b"inference_count", 0)), int(raw.get(b"execution_count", 0))
+    @property
+    def path(self) -> str:
+        return f"/v2/models/{self.model}/infer"
+
+    def estimates(self) -> tuple[float, float]:
+        """The worker's learned ``(a, b)`` of ``t(n) = a + b·n``, from /metrics."""
+        url = f"http://{self.host}:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+
+        def value(name: str) -> float:
+            found = re.search(rf'^{name}{{[^}}]*model="{self.model}"[^}}]*}} (\S+)$', text, re.M)
+            return float(found.group(1)) if found else 0.0
+
+        return (value("conveyor_policy_latency_intercept_seconds"),
+                value("conveyor_policy_latency_slope_seconds"))
+
+
+def request_body(model: str, timeout_us: int) -> bytes:
+    body = json.loads(base.request_body(model))
+    body["parameters"] = {"timeout": timeout_us}
+    return json.dumps(body).encode()
+
+
+def write_config(repo: Path, model: str, setting: Setting, target_ms: float) -> None:
+    """The model's ``config.yaml``: only its batching section."""
+    delay = ADAPTIVE_BOUND_US if setting.adaptive else setting.delay_us
+    (repo / model / "config.yaml").write_text(
+        f"batching:\n  max_queue_delay_us: {delay}\n  adaptive: {str(setting.adaptive).lower()}\n"
+        f"  latency_target_ms: {target_ms:g}\n")
 
 
 @contextmanager
-def conveyor(model: str, repo: Path, work: Path) -> Iterator[Server]:
-    """redis-server + conveyor API + Celery worker serving ``model`` (as bench.run does)."""
-    api_port = free_port()
-    root = f"http://127.0.0.1:{api_port}"
-    url, body = f"{root}/v2/models/{model}/infer", base.request_body(model).encode()
+def conveyor(model: str, repo: Path, work: Path, body: bytes) -> Iterator[Stack]:
+    """redis-server, ``python -m api.serve`` and one Celery worker serving ``model``."""
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
     with ExitStack() as stack:
         rds = stack.enter_context(RedisServer(work))
-        env = {**os.environ, "CONVEYOR_REDIS_URL": rds.url,
-               "CONVEYOR_MODEL_REPOSITORY": str(repo), "CONVEYOR_MODELS": model,
+        env = {**os.environ, "CONVEYOR_REDIS_URL": rds.url, "CONVEYOR_MODEL_REPOSITORY": str(repo),
+               "CONVEYOR_MODELS": model, "CONVEYOR_HTTP_PORT": str(port),
                "CONVEYOR_GRPC_PORT": str(free_port()), "CONVEYOR_WORKER_PORT": str(free_port()),
-               "PYTHONUNBUFFERED": "1"}
-        groups = [base.server("api", base.uvicorn_argv(base.CONVEYOR_APP, api_port, factory=True),
-                              env, work),
-                  base.server("celery", [sys.executable, "-m", "celery", "-A", "workers.app",
-                                         "worker", "-n", f"sweep-{api_port}@%h", "--loglevel",
-                                         "WARNING", "--without-mingle", "--without-gossip"],
-                              env, work)]
+               "CONVEYOR_HEARTBEAT_INTERVAL_S": "0.5", "PYTHONUNBUFFERED": "1"}
+        groups = [base.server("api", [sys.executable, "-m", "api.serve"], env, work),
+                  base.server("celery", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+                                         "-n", f"sweep-{port}@%h", "--loglevel", "WARNING",
+                                         "--without-mingle", "--without-gossip"], env, work)]
         stack.enter_context(base.started(groups, lambda: base.http_ok(f"{root}/v2/health/ready")
-                                         and base.http_ok(url, body)))
-        client = redis.Redis(port=rds.port)
-        stack.callback(client.close)
-        yield Server(url, client, model, Keys(Settings().key_prefix))
+                                         and base.http_ok(f"{root}/v2/models/{model}/infer", body)))
+        yield Stack("127.0.0.1", port, model, body)
 
 
-@dataclass
-class Row:
-    label: str
-    load: str
-    offered: float
-    achieved: float
-    p50_ms: float
-    p99_ms: float
-    errors: str
-    goodput: float | None
-    mean_batch: float
-
-
-def closed(server: Server, label: str, c: int, seconds: int, warmup: int) -> Row:
-    body = base.request_body(server.model)
-    run_wrk(server.url, body, connections=c, duration_s=warmup)
-    base.wait_quiet(3)
-    inf0, exe0 = server.counts()
-    res = run_wrk(server.url, body, connections=c, duration_s=seconds)
-    inf1, exe1 = server.counts()
-    row = Row(label, f"closed c={c}", float("nan"), res["rps"], res["p50_ms"], res["p99_ms"],
-              str(res["errors"]), None, (inf1 - inf0) / max(exe1 - exe0, 1))
-    print(f"  {label} c={c}: {row.achieved:.0f} req/s p50 {row.p50_ms:.2f} p99 {row.p99_ms:.2f} "
-          f"batch {row.mean_batch:.1f}", file=sys.stderr, flush=True)
-    return row
-
-
-def pct(sorted_ms: list[float], q: float) -> float:
-    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))] if sorted_ms else float("nan")
-
-
-async def poisson(url: str, body: bytes, rate: float, warmup_s: float, seconds: float,
-                  client_timeout_s: float) -> tuple[list[float], dict[str, int], int]:
-    """Send at Poisson ``rate``; latency counts from the scheduled send time (no omission).
-
-    Returns the latencies (ms) of the 200s, error counts by kind and the number sent, for the
-    requests scheduled in the measured ``seconds`` after ``warmup_s``.
-    """
-    ok_ms: list[float] = []
-    errors = {"503": 0, "504": 0, "other": 0}
-    sent = 0
-    rng = random.Random(1)
-    headers = {"content-type": "application/json"}
-    connector = aiohttp.TCPConnector(limit=4096)
-    timeout = aiohttp.ClientTimeout(total=client_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def one(at: float, counted: bool) -> None:
-            try:
-                async with session.post(url, data=body, headers=headers) as resp:
-                    await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, TimeoutError):
-                status = -1
-            if not counted:
-                return
-            if status == 200:
-                ok_ms.append((time.perf_counter() - at) * 1e3)
-            else:
-                errors[str(status) if status in (503, 504) else "other"] += 1
-
-        tasks: set[asyncio.Task[None]] = set()
-        start = time.perf_counter()
-        at, end = start, start + warmup_s + seconds
-        while True:
-            at += rng.expovariate(rate)
-            if at >= end:
-                break
-            delay = at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            counted = at >= start + warmup_s
-            sent += counted
-            task = asyncio.create_task(one(at, counted))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.wait(tasks)
-    return sorted(ok_ms), errors, sent
-
-
-def open_point(server: Server, label: str, share: float, capacity: float,
-               args: argparse.Namespace) -> Row:
-    body = json.loads(base.request_body(server.model))
-    body["parameters"] = {"timeout": args.timeout_us}
-    rate = share * capacity
-    inf0, exe0 = server.counts()
+def drive(stack: Stack, times: list[float], warmup_s: float, connections: int) -> open_loop.Outcome:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        ok_ms, errors, sent = runner.run(poisson(server.url, json.dumps(body).encode(), rate,
-                                                 args.point_warmup, args.point_s, 10.0))
-    inf1, exe1 = server.counts()
-    good = sum(ms <= args.latency_target_ms for ms in ok_ms)
-    row = Row(label, f"{share:.0%}", sent / args.point_s, len(ok_ms) / args.point_s,
-              pct(ok_ms, 0.5), pct(ok_ms, 0.99), "/".join(map(str, errors.values())),
-              good / args.point_s, (inf1 - inf0) / max(exe1 - exe0, 1))
-    print(f"  {label} {row.load}: offered {row.offered:.0f} achieved {row.achieved:.0f} "
-          f"p50 {row.p50_ms:.1f} p99 {row.p99_ms:.1f} goodput {good / args.point_s:.0f} "
-          f"err {row.errors} batch {row.mean_batch:.1f}", file=sys.stderr, flush=True)
-    return row
+        return runner.run(open_loop.run(stack.host, stack.port, stack.path, stack.body, times,
+                                        connections, warmup_s=warmup_s))
 
 
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None or value != value else f"{value:,.{digits}f}"
+def closed_rps(stack: Stack, connections: int, seconds: float) -> tuple[float, float]:
+    """(req/s, p50 ms) with ``connections`` clients each sending as soon as answered."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        out = runner.run(open_loop.closed(stack.host, stack.port, stack.path, stack.body,
+                                          connections, seconds))
+    ordered = sorted(out.latencies_ms)
+    return out.count(200) / seconds, ordered[len(ordered) // 2] if ordered else float("nan")
 
 
-def table(rows: list[Row], open_loop: bool) -> list[str]:
-    if open_loop:
-        out = ["| config | load | offered req/s | achieved req/s (200s) | p50 ms | p99 ms | "
-               "goodput req/s | errors 503/504/other | mean batch |", "|---|---|---|---|---|---|---|---|---|"]
-        return out + [f"| {r.label} | {r.load} | {fmt(r.offered, 0)} | {fmt(r.achieved, 0)} | "
-                      f"{fmt(r.p50_ms)} | {fmt(r.p99_ms)} | {fmt(r.goodput, 0)} | {r.errors} | "
-                      f"{fmt(r.mean_batch)} |" for r in rows]
-    out = ["| system | load | req/s | p50 ms | p99 ms | errors | mean batch |",
-           "|---|---|---|---|---|---|---|"]
-    return out + [f"| {r.label} | {r.load} | {fmt(r.achieved, 0)} | {fmt(r.p50_ms, 2)} | "
-                  f"{fmt(r.p99_ms, 2)} | {r.errors} | {fmt(r.mean_batch)} |" for r in rows]
+def make_policy(setting: Setting, target_s: float) -> Policy:
+    if setting.adaptive:
+        return AdaptivePolicy(MAX_BATCH_SIZE, ADAPTIVE_BOUND_US / 1e6, latency_target_s=target_s)
+    return FixedWindow(MAX_BATCH_SIZE, setting.delay_us / 1e6)
+
+
+def predict(setting: Setting, times: list[float], seconds: float, device: Device, path_s: float,
+            target_s: float) -> float:
+    """The simulator's goodput (req/s) for the same send times over all ``seconds``: a
+    request reaches the worker half the fixed path after it is sent, its deadline stays the
+    API's (sent + target), and its answer counts if the worker's latency plus the whole
+    fixed path is within the target."""
+    out = run_loop([t + path_s / 2 for t in times], device, make_policy(setting, target_s),
+                   MAX_BATCH_SIZE, timeout_s=target_s - path_s / 2)
+    return float((out.latency + path_s <= target_s).sum()) / seconds
+
+
+def measure(stack: Stack, setting: Setting, pattern: str, share: float, capacity: float,
+            args: argparse.Namespace, device: Device, path_s: float) -> Point:
+    rate = share * capacity
+    seconds = args.warmup_s + args.point_s
+    times = ARRIVALS[pattern](rate, seconds, round(share * 1000))
+    connections = max(64, min(2000, int(rate * 0.1)))
+    out = drive(stack, times, args.warmup_s, connections)
+    target_s = args.target_ms / 1e3
+    good = out.good(args.target_ms) / args.point_s
+    ok_ms = sorted(ms for s, ms in zip(out.statuses, out.latencies_ms, strict=True) if s == 200)
+    point = Point(
+        setting=setting.label, pattern=pattern, share=share, offered=out.sent / args.point_s,
+        goodput=good, predicted=predict(setting, times, seconds, device, path_s, target_s),
+        p99_ms=ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))] if ok_ms else float("nan"),
+        ok=out.count(200), late_or_shed=out.count(504), other=len(out.statuses) - out.count(200)
+        - out.count(504) + out.lost, gen_cpu=out.cpu_share, lag_p99_ms=out.lag_p99_ms(),
+        refused=out.lag_p99_ms() > args.max_lag_ms)
+    print(f"  {point.line()}", file=sys.stderr, flush=True)
+    return point
+
+
+def sweep_model(model: str, repo: Path, work: Path, args: argparse.Namespace) -> dict[str, object]:
+    body = request_body(model, int(args.target_ms * 1000))
+    adaptive = Setting(True, 0)
+    write_config(repo, model, adaptive, args.target_ms)
+    with conveyor(model, repo, work, body) as stack:
+        closed_rps(stack, 64, args.warmup_s + 1)
+        capacity, _ = closed_rps(stack, 64, args.capacity_s)
+        time.sleep(1.0)  # a heartbeat carries the policy's fit to the API
+        a, b = stack.estimates()
+        _, c1_ms = closed_rps(stack, 1, 2.0)
+    device = Device(f"{model} (learned)", base_s=a, per_row_s=b)
+    path_s = max(0.0, c1_ms / 1e3 - device.seconds(1))
+    print(f"{model}: capacity {capacity:.0f} req/s, t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} ms·n, "
+          f"fixed path {path_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    points: list[Point] = []
+    for setting in [adaptive, *(Setting(False, d) for d in args.fixed)]:
+        write_config(repo, model, setting, args.target_ms)
+        with conveyor(model, repo, work, body) as stack:
+            closed_rps(stack, 64, args.warmup_s)
+            points += [measure(stack, setting, pattern, share, capacity, args, device, path_s)
+                       for pattern in args.arrivals for share in args.loads]
+    return {"model": model, "capacity": capacity, "a": a, "b": b, "path_s": path_s, "points": points}
+
+
+def words(text: str) -> list[str]:
+    return text.split(",")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--duration", type=int, default=10, help="seconds per closed-loop point")
-    parser.add_argument("--tiny-duration", type=int, default=5, help="seconds for mlp_tiny c=1")
-    parser.add_argument("--warmup", type=int, default=2, help="closed-loop warm-up seconds")
-    parser.add_argument("--point-s", type=float, default=8, help="seconds per open-loop point")
-    parser.add_argument("--point-warmup", type=float, default=1, help="open-loop warm-up seconds")
-    parser.add_argument("--rates", type=lambda s: [int(v) / 100 for v in s.split(",")],
-                        default=[0.1, 0.3, 0.5, 0.7, 0.9, 1.1, 1.2], help="%% of capacity")
-    parser.add_argument("--fixed", type=lambda s: [int(v) for v in s.split(",")], default=[0, 5000],
-                        help="max_queue_delay_us values of the fixed windows")
-    parser.add_argument("--timeout-us", type=int, default=1_000_000, help="parameters.timeout")
-    parser.add_argument("--latency-target-ms", type=float, default=50.0)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    parser.add_argument("--models", type=words, default=["mlp_medium", "mlp_tiny"])
+    parser.add_argument("--loads", type=lambda s: [int(v) / 100 for v in words(s)],
+                        default=[0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 1.1, 1.25], help="%% of capacity")
+    parser.add_argument("--fixed", type=lambda s: [int(v) for v in words(s)],
+                        default=[0, 1000, 2000, 5000, 10000, 20000],
+                        help="max_queue_delay_us of the fixed windows")
+    parser.add_argument("--arrivals", type=words, default=list(ARRIVALS))
+    parser.add_argument("--point-s", type=float, default=4.0)
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--capacity-s", type=float, default=5.0)
+    parser.add_argument("--target-ms", type=float, default=50.0)
+    parser.add_argument("--max-lag-ms", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=base.ROOT / "bench" / "RESULTS-batching.md")
     args = parser.parse_args()
     started_at = datetime.now(UTC)
     load0 = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    raw = {}
-    for line in subprocess.run([sys.executable, "-m", "bench.raw_model", MODEL, "mlp_tiny"], cwd=base.ROOT,
-                               capture_output=True, text=True, check=True).stdout.splitlines():
-        entry = json.loads(line)
-        raw[entry["model"]] = entry
-    print(f"raw: {json.dumps(raw)}", file=sys.stderr, flush=True)
-    target = args.latency_target_ms
+    results = []
     with tempfile.TemporaryDirectory(prefix="conveyor-sweep-") as tmp:
         work = Path(tmp)
-        repo = work / "repo"
-        write_repository(repo)
-        with conveyor("mlp_tiny", repo, work) as server:
-            tiny = closed(server, "conveyor mlp_tiny (default config)", 1, args.tiny_duration,
-                          args.warmup)
-        set_batching(repo, MODEL, 20000, True, target)
-        sweep: dict[str, list[Row]] = {}
-        with conveyor(MODEL, repo, work) as server:
-            window = [closed(server, "conveyor adaptive 20 ms", c, args.duration, args.warmup)
-                      for c in (1, 64)]
-            capacity = window[1].achieved
-            sweep["adaptive 20 ms"] = [open_point(server, "adaptive 20 ms", s, capacity, args)
-                                       for s in args.rates]
-        for delay in args.fixed:
-            set_batching(repo, MODEL, delay, False, target)
-            label = f"fixed {delay} µs"
-            with conveyor(MODEL, repo, work) as server:
-                sweep[label] = [open_point(server, label, s, capacity, args) for s in args.rates]
-    fixed = [k for k in sweep if k.startswith("fixed")]
-    best = max(fixed, key=lambda k: sum(r.goodput or 0 for r in sweep[k]))
-    overhead = tiny.p50_ms - raw["mlp_tiny"]["batch1_p50_ms"]
-    bound = raw[MODEL]["batch1_p50_ms"] + overhead + 2.0
-    c1 = window[0].p50_ms
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")
-    lines = [
-        f"## Batching policy ({MODEL})", "",
-        f"- date: {started_at:%Y-%m-%d %H:%M} UTC; load average at start / end: {load0} / "
-        + " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-        f"- machine: {NCPU} CPUs, {cpu}, Linux {os.uname().release}, Python {sys.version.split()[0]}"
-        "; shared with other tenants, and the load generator runs on the same box",
-        f"- command: `{' '.join(['python -m bench.sweep', *sys.argv[1:]])}`",
-        "- conveyor: 1 API process, 1 Celery worker (1 inference process, 1 torch thread), own "
-        f"redis-server; mlp_medium config `batching: {{max_queue_delay_us: …, adaptive: …, "
-        f"latency_target_ms: {target:g}}}`, queue defaults (max_queue_rows 10000)", "",
-        "### Window check (closed loop, wrk)", "",
-        f"`wrk -t1 -c<c> -d{args.duration}s` after {args.warmup}s warm-up (mlp_tiny: "
-        f"{args.tiny_duration}s). Mean batch = Δinference_count / Δexecution_count of "
-        f"`cv:{{model}}:stats` over the measured run.", "",
-        *table([tiny, *window], open_loop=False), "",
-        f"- raw batch-1 time (bench.raw_model, median): {MODEL} "
-        f"{raw[MODEL]['batch1_p50_ms']:.2f} ms, mlp_tiny {raw['mlp_tiny']['batch1_p50_ms']:.3f} ms; "
-        f"{MODEL} best batch {raw[MODEL]['best_batch']}: {raw[MODEL]['best_rows_per_s']:,} rows/s",
-        f"- fixed-path overhead = tiny c=1 p50 − tiny batch-1 = {overhead:.2f} ms",
-        f"- c=1 p50 {c1:.2f} ms vs batch-1 + overhead + 2 ms = {bound:.2f} ms: "
-        + ("**within**" if c1 <= bound else "**not within**"), "",
-        "### Open loop (Poisson arrivals)", "",
-        f"Capacity = conveyor's closed-loop c=64 throughput above ({capacity:.0f} req/s; the raw "
-        f"model's best is {raw[MODEL]['best_rows_per_s']:,} rows/s). {args.point_s:g}s per point "
-        f"after {args.point_warmup:g}s at the same rate; latency from the scheduled send time; "
-        f"`parameters.timeout` {args.timeout_us} µs; goodput = 200s within {target:g} ms per s. "
-        "Python asyncio + aiohttp, one keep-alive session.", "",
-        *table([r for rows in sweep.values() for r in rows], open_loop=True), "",
-        f"Best fixed (most goodput summed over the rates): **{best}**.", "",
-        "| load | adaptive goodput | best fixed goodput | adaptive p99 ms | best fixed p99 ms |",
-        "|---|---|---|---|---|",
-        *[f"| {a.load} | {fmt(a.goodput, 0)} | {fmt(b.goodput, 0)} | {fmt(a.p99_ms)} | "
-          f"{fmt(b.p99_ms)} |" for a, b in zip(sweep["adaptive 20 ms"], sweep[best], strict=True)], "",
-    ]
-    args.out.write_text("\n".join(lines))
+        write_repository(work / "repo")
+        results = [sweep_model(model, work / "repo", work, args) for model in args.models]
+    args.out.write_text(report(results, args, started_at, load0))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

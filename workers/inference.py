@@ -90,6 +90,9 @@ class _Outcome:
     fits: list[tuple[bool, int]] = field(default_factory=list)
     """Each predict's rows and whether they fitted in device memory, in order: the row cap
     learns from them on the loop's thread."""
+    prep_s: float | None = None
+    """Run on the loop's thread: the CPU seconds that thread spent since the previous batch
+    was answered (reading, decoding, forming this one). None: run on the model thread."""
 
 
 class InferenceLoop:
@@ -135,6 +138,12 @@ class InferenceLoop:
         """How long the last batch took in the model thread."""
         self.batches = 0
         self.rows = 0
+        self._backlog = False
+        """The last read took all the rows there was room for: more is likely waiting."""
+        self._last_answered = 0.0
+        """When the last batch's answers were sent (time.time())."""
+        self._cpu_mark = time.thread_time()
+        """This thread's CPU time when the last batch's answers were sent."""
         self.service = ServiceRate()
         """Rows per second of running batches, published with the heartbeat."""
         self._out_types = {t.name: t.datatype for t in config.outputs}
@@ -201,7 +210,9 @@ class InferenceLoop:
                 # load the loop seldom sleeps, and polling would take CPU from the
                 # processes feeding it.
                 poll, self._lone = self._lone, False
-                self._arrived(self.streams.read(room, block, poll=poll))
+                fresh = self.streams.read(room, block, poll=poll)
+                self._backlog = len(fresh) >= room
+                self._arrived(fresh)
                 room = bound - self.former.pending_rows
             now = time.time()
         elif not self.stopping and self.former.best_priority > 1:
@@ -226,9 +237,23 @@ class InferenceLoop:
             time.sleep(min(self.former.decide(now).wait_s, 0.001))
 
     def _answer_expired(self, now: float) -> None:
+        """Answer, without running them, the entries whose deadline has passed, and, while
+        more waits than this process can hold (past capacity), those the policy says a batch
+        started now could not answer in time. Below capacity nothing is shed on a forecast:
+        a noisy fit would cost requests that make it."""
         expired = self.former.take_expired(now)
         if expired:
             self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
+        if not (len(self.former) and self._backlog):
+            return
+        horizon = self.policy.shed_horizon_s(min(self.former.pending_rows, self.row_cap.cap))
+        if horizon <= 0.0:
+            return
+        late = self.former.take_expired(now + horizon)
+        if late:
+            self._answer_error(late, DeadlineExceeded(
+                f"cannot be answered before its deadline: a batch takes about "
+                f"{horizon * 1e3:.1f} ms here now"), {"shed_count": len(late)})
 
     def _form(self, now: float) -> Batch | None:
         """The batch the policy dispatches now (all that waits when stopping), if any."""
@@ -301,7 +326,9 @@ class InferenceLoop:
         self.streams.settle()
         if batch.entries[0].deliveries > 1:  # re-delivered: it runs alone (Former.take)
             self.streams.on_trial(batch.entries[0])
+        prep_s = time.thread_time() - self._cpu_mark
         done = self._execute(batch)
+        done.prep_s = prep_s
         self._learn_fits(done)
         self._finish(done)
 
@@ -344,7 +371,18 @@ class InferenceLoop:
                                 started, answered, failure(done.answered)))
         self.reclaimer.observe_batch(answered - started)
         if all(reply.ok for _, reply in done.answered):
-            self.policy.observe_batch(batch.rows, answered - started, answered)
+            self.policy.observe_batch(batch.rows, self._service_s(done, answered), answered)
+        self._last_answered = answered
+        self._cpu_mark = time.thread_time()
+
+    def _service_s(self, done: _Outcome, answered: float) -> float:
+        """What the batch cost the whole path, as the adaptive policy learns it: on the
+        loop's thread, its run and answers plus the CPU spent reading and forming it; on the
+        model thread, whose reads overlap the model, the time since the previous answers
+        (a backlog) or since it started (an idle loop)."""
+        if done.prep_s is not None:
+            return answered - done.started + done.prep_s
+        return answered - max(self._last_answered, done.started)
 
     def _run_entries(self, entries: list[Entry], done: _Outcome) -> list[tuple[Entry, Reply]]:
         rows = sum(e.rows for e in entries)

@@ -1,0 +1,141 @@
+"""Requests that cannot be answered before their deadline are answered at once, not run late
+(the adaptive policy), and the policy learns the whole path of a batch, not the model alone."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from batching.adaptive import AdaptivePolicy
+from batching.config import BatchingConfig, ModelConfig, TensorSpec
+from batching.envelope import Request, Tensor
+from batching.keys import Keys
+from batching.policy import FixedWindow
+from bench.open_loop import poisson
+from bench.scheduler_sim import Device, run_loop
+from workers.inference import InferenceLoop
+from workers.memory_streams import MemoryReclaimer, MemoryStreams
+from workers.shared_state import SharedState
+
+KEYS = Keys("t")
+REPLY = "reply:test"
+
+
+class Echo:
+    def __init__(self) -> None:
+        self.ran: list[int] = []
+
+    def predict(self, inputs: dict[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        self.ran.append(int(inputs["x"].shape[0]))
+        return {"y": inputs["x"]}
+
+
+def make_loop(adaptive: bool) -> tuple[InferenceLoop, MemoryStreams, Echo]:
+    config = ModelConfig(
+        "m", "python", 8, inputs=(TensorSpec("x", "FP32", (-1, 2)),),
+        outputs=(TensorSpec("y", "FP32", (-1, 2)),),
+        batching=BatchingConfig(max_queue_delay_us=0, adaptive=adaptive))
+    streams = MemoryStreams(KEYS.queues("m", config.queue.priority_levels))
+    model = Echo()
+    loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),
+                         SharedState(multiprocessing.get_context("spawn")), KEYS)
+    return loop, streams, model
+
+
+def request(deadline_in_s: float) -> Request:
+    now = time.time()
+    x = Tensor.from_array("x", np.ones((1, 2), np.float32))
+    return Request(uuid.uuid4().hex, REPLY, int((now + deadline_in_s) * 1000), int(now * 1000), 1, [x])
+
+
+def teach(loop: InferenceLoop, seconds: float, batches: int = 12) -> None:
+    for _ in range(batches):
+        loop.policy.observe_batch(1, seconds, time.time())
+
+
+def test_past_capacity_the_adaptive_policy_answers_at_once_what_a_batch_cannot_finish_in_time() -> None:
+    loop, streams, model = make_loop(adaptive=True)
+    teach(loop, 0.5)
+    hopeless, fine = request(0.2), [request(60.0) for _ in range(8)]
+    for each in (hopeless, *fine):  # more than the 8 rows the process holds: a backlog
+        streams.put(each)
+    loop.step()
+    got = {r.id: r for r in streams.replies(REPLY)}
+    assert got[hopeless.id].error_code == "deadline_exceeded"
+    assert "before its deadline" in got[hopeless.id].error
+    assert all(got[each.id].ok for each in fine[:7])
+    assert model.ran == [7]
+    assert streams.stats["shed_count"] == 1
+
+
+def test_below_capacity_nothing_is_shed_on_a_forecast() -> None:
+    loop, streams, model = make_loop(adaptive=True)
+    teach(loop, 0.5)
+    soon, fine = request(0.2), request(60.0)
+    streams.put(soon)
+    streams.put(fine)
+    loop.step()
+    assert [r.ok for r in streams.replies(REPLY)] == [True, True]
+    assert model.ran == [2] and streams.stats["shed_count"] == 0
+
+
+def test_nothing_is_shed_before_the_fit_is_trusted_nor_under_a_fixed_window() -> None:
+    for adaptive, taught in ((True, 3), (False, 12)):
+        loop, streams, model = make_loop(adaptive=adaptive)
+        teach(loop, 0.5, taught)
+        for _ in range(9):
+            streams.put(request(0.2))
+        loop.step()
+        assert [r.ok for r in streams.replies(REPLY)] == [True] * 8
+        assert model.ran == [8] and streams.stats["shed_count"] == 0
+
+
+def test_the_horizon_is_the_fitted_time_of_the_batch_that_would_start() -> None:
+    policy = AdaptivePolicy(64, 0.02)
+    assert policy.shed_horizon_s(10) == 0.0
+    for rows in (1, 8, 32, 64) * 4:
+        policy.observe_batch(rows, 0.002 + 0.0005 * rows, 1.0)
+    assert abs(policy.shed_horizon_s(32) - 0.018) < 0.001
+    assert abs(policy.shed_horizon_s(500) - policy.shed_horizon_s(64)) < 1e-9
+    assert FixedWindow(64, 0.005).shed_horizon_s(64) == 0.0
+
+
+def test_the_policy_learns_the_reading_time_of_a_batch_not_only_the_model() -> None:
+    loop, streams, _ = make_loop(adaptive=True)
+    for _ in range(12):
+        streams.put(request(60.0))
+        loop.step()
+    quick = loop.policy.estimates()["latency_a_s"]
+    slow, streams_slow, _ = make_loop(adaptive=True)
+    for _ in range(12):
+        streams_slow.put(request(60.0))
+        # CPU spent on the loop's thread before the batch (decoding, say) is part of its cost.
+        end = time.thread_time() + 0.01
+        while time.thread_time() < end:
+            pass
+        slow.step()
+    assert slow.policy.estimates()["latency_a_s"] > quick + 0.007
+
+
+def test_past_capacity_shedding_keeps_goodput_where_a_fixed_window_loses_it() -> None:
+    device = Device("linear", 0.002, 0.0003)
+    capacity = device.capacity(64)
+    arrivals = poisson(1.25 * capacity, 3.0, seed=4)
+    target = 0.05
+    fixed = run_loop(arrivals, device, FixedWindow(64, 0.0), 64, timeout_s=target)
+    adaptive = run_loop(arrivals, device, AdaptivePolicy(64, 0.02, latency_target_s=target), 64,
+                        timeout_s=target)
+    assert adaptive.goodput(target) > fixed.goodput(target) + 0.05
+
+
+def test_where_a_full_batch_overruns_the_target_the_horizon_is_the_batch_that_fits() -> None:
+    policy = AdaptivePolicy(64, 0.02, latency_target_s=0.05)
+    for rows in (1, 16, 32, 64) * 4:
+        policy.observe_batch(rows, 0.012 + 0.0007 * rows, 1.0)
+    fits = policy.shed_horizon_s(64)
+    assert fits <= 0.05 and abs(fits - (0.012 + 0.0007 * 54)) < 0.001
