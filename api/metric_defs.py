@@ -100,6 +100,12 @@ IN_FLIGHT = MetricDef(
     "api")
 
 # Read from Redis at scrape time.
+REDIS_UP = MetricDef(
+    "conveyor_redis_up", "gauge", (),
+    "Whether this scrape read Redis (1) or it did not answer (0)",
+    "1 when this scrape's Redis reads succeeded, 0 when Redis did not answer (the other "
+    "metrics read from Redis then keep their last values). Alert on it staying 0.",
+    "redis")
 QUEUE_DEPTH = MetricDef(
     "conveyor_queue_depth", "gauge", ("model", "priority"),
     "Entries in a model's request stream of one priority (waiting or being executed), read "
@@ -276,7 +282,7 @@ RESIDENT_MEMORY = MetricDef(
     "inference process, from its heartbeat, the same on every API process.",
     "heartbeats")
 
-ALL = (REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, REQUEST_BATCH_SIZE,
+ALL = (REDIS_UP, REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, REQUEST_BATCH_SIZE,
        IN_FLIGHT, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
        BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, SHED, RESTARTS, JOB_ROWS,
        JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP, ARRIVAL_RATE,

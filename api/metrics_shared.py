@@ -63,6 +63,7 @@ class SharedState(Collector):
         self.jobs: dict[str, int] = {}
         self.beats: dict[str, list[dict[str, Any]]] = {}
         self.model_states: dict[str, str] = {}
+        self.redis_up = False
 
     async def refresh(self, redis: Redis, keys: Keys, models: Mapping[str, ModelConfig],
                       beats: Mapping[str, list[dict[str, Any]]]) -> None:
@@ -85,7 +86,9 @@ class SharedState(Collector):
         try:
             results = iter(await pipe.execute())
         except REDIS_FAILED:
+            self.redis_up = False
             return
+        self.redis_up = True
         depth, oldest, waiting, totals = {}, {}, {}, {}
         for model in names:
             priorities = [str(p) for p in range(1, levels[model] + 1)]
@@ -100,6 +103,9 @@ class SharedState(Collector):
         self.jobs = _ints(next(results))
 
     def collect(self) -> Iterator[Metric]:
+        up = d.REDIS_UP.family()
+        up.add_metric([], float(self.redis_up))
+        yield up
         yield self._model_states()
         yield from self._queues()
         for metric, key in WORKER_TOTALS:
