@@ -3,6 +3,10 @@
 The former owns the entries this process has read but not yet run. It orders them by
 priority, answers none of them itself (it hands expired ones back to the caller), and
 gives out one shape group at a time, oldest first, as the policy decides.
+
+Priority aging (``queue.max_priority_wait_ms``): an entry of a level below 1 that has
+waited that long since the API enqueued it is *aged*: it goes ahead of every level, aged
+entries oldest first. Without it priority is strict, and a busy level 1 starves the others.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class Entry:
     """Wall-clock seconds when this process read it."""
     deliveries: int = 1
     """How often Redis has handed it out; above 1 it outlived a process (maybe killed it)."""
+    aged: bool = False
+    """Waited ``max_priority_wait_ms``: served ahead of every priority level."""
 
     @property
     def rows(self) -> int:
@@ -141,6 +147,14 @@ def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
     return padded
 
 
+def _order(entry: Entry) -> tuple[int, int]:
+    """Aged entries first, oldest first; then by priority level. Python's sort is stable:
+    ties keep the order entries were read in."""
+    if entry.aged:
+        return 0, entry.request.enq_ms
+    return entry.request.prio, 0
+
+
 @dataclass(slots=True)
 class BatchFormer:
     policy: Policy
@@ -151,7 +165,11 @@ class BatchFormer:
     max_cost: float | None = None
     """Bound on the summed ``cost`` parameter of a batch's requests (a request's cost
     defaults to its rows)."""
+    max_wait_ms: int | None = None
+    """``queue.max_priority_wait_ms``: priority aging; None: strict priority."""
     _pending: list[Entry] = field(default_factory=list)
+    _next_aging_ms: float = float("inf")
+    """When the next entry not yet aged will be (ms since the epoch)."""
 
     @property
     def pending_rows(self) -> int:
@@ -163,12 +181,38 @@ class BatchFormer:
     @property
     def best_priority(self) -> int:
         """The most urgent priority level waiting here (0 when nothing waits)."""
-        return self._pending[0].request.prio if self._pending else 0
+        if not self._pending:
+            return 0
+        if self._pending[0].aged:  # aged entries lead whatever their level
+            return min(e.request.prio for e in self._pending)
+        return self._pending[0].request.prio
 
     def add(self, entries: Iterable[Entry]) -> None:
-        self._pending.extend(entries)
-        # Stable: priority first, then arrival order within a priority.
-        self._pending.sort(key=lambda e: e.request.prio)
+        fresh = list(entries)
+        self._pending.extend(fresh)
+        if self.max_wait_ms is not None:
+            for e in fresh:
+                if e.request.prio > 1:
+                    self._next_aging_ms = min(self._next_aging_ms,
+                                              e.request.enq_ms + self.max_wait_ms)
+        self._pending.sort(key=_order)
+
+    def _age(self, now: float) -> None:
+        """Mark the entries that have waited ``max_wait_ms``; they move to the front."""
+        now_ms = now * 1000.0
+        if self.max_wait_ms is None or now_ms < self._next_aging_ms:
+            return
+        wait = self.max_wait_ms
+        upcoming = float("inf")
+        for e in self._pending:
+            if e.aged or e.request.prio == 1:
+                continue
+            if e.request.enq_ms + wait <= now_ms:
+                e.aged = True
+            else:
+                upcoming = min(upcoming, e.request.enq_ms + wait)
+        self._next_aging_ms = upcoming
+        self._pending.sort(key=_order)
 
     def take_expired(self, now: float) -> list[Entry]:
         """Remove and return entries whose deadline has passed: they must never run."""
@@ -184,6 +228,7 @@ class BatchFormer:
     def decide(self, now: float) -> Decision:
         if not self._pending:
             return Decision(False, wait_s=float("inf"))
+        self._age(now)
         group = self._head_group()
         return self.policy.decide(
             now,

@@ -115,7 +115,7 @@ class InferenceLoop:
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
         self.former = BatchFormer(self.policy, config.batch_rows, Layout.of(config),
-                                  config.max_batch_cost)
+                                  config.max_batch_cost, config.queue.max_priority_wait_ms)
         self.row_cap = RowCap(config.batch_rows)
         """The one owner of the batch size bound: ``limit`` is ``max_batch_size`` (lowered
         at run time by :meth:`apply_control`), ``cap`` the rows the device has shown it
