@@ -1,8 +1,10 @@
 """Forming batches from stream entries: the in-memory state of one inference process.
 
 The former owns the entries this process has read but not yet run. It orders them by
-priority, answers none of them itself (it hands expired ones back to the caller), and
-gives out one shape group at a time, oldest first, as the policy decides.
+priority and, within a priority, earliest deadline first (a request's deadline is its
+``parameters.timeout``, or the model's ``queue.default_timeout_ms``, after it was
+enqueued); it answers none of them itself (it hands expired ones back to the caller), and
+gives out one shape group at a time, in that order, as the policy decides.
 
 Priority aging (``queue.max_priority_wait_ms``): an entry of a level below 1 that has
 waited that long since the API enqueued it is *aged*: it goes ahead of every level, aged
@@ -148,11 +150,12 @@ def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
 
 
 def _order(entry: Entry) -> tuple[int, int]:
-    """Aged entries first, oldest first; then by priority level. Python's sort is stable:
-    ties keep the order entries were read in."""
+    """Aged entries first, oldest first; then by priority level, and within a level by
+    deadline (earliest first). Python's sort is stable: ties keep the order entries were
+    read in, so requests with the same timeout go in arrival order."""
     if entry.aged:
         return 0, entry.request.enq_ms
-    return entry.request.prio, 0
+    return entry.request.prio, entry.request.deadline_ms
 
 
 @dataclass(slots=True)
@@ -238,7 +241,7 @@ class BatchFormer:
         )
 
     def take(self, reason: str, max_rows: int | None = None) -> Batch:
-        """Remove the head shape group, up to ``max_rows`` rows, oldest first.
+        """Remove the head shape group, up to ``max_rows`` rows, in the former's order.
 
         A re-delivered entry runs alone: if it is what killed a process, it fails alone
         and its former neighbours succeed.

@@ -108,3 +108,25 @@ def test_max_priority_wait_is_a_queue_key_and_a_conveyor_parameter_of_config_pbt
     assert ModelConfig.from_dict("m", pbtxt, "python").queue.max_priority_wait_ms == 750
     again = ModelConfig.from_dict("m", json_config("m", json.dumps(triton_config(config))))
     assert again.queue.max_priority_wait_ms == 750
+
+
+def test_within_a_level_tighter_deadlines_go_in_earlier_batches() -> None:
+    f = former(max_rows=2)
+    f.add([entry(1, timeout_s=30), entry(2, timeout_s=30, enq=NOW + 0.01),
+           entry(3, timeout_s=0.5, enq=NOW + 0.02), entry(4, timeout_s=2, enq=NOW + 0.03)])
+    assert served(f, NOW + 0.1) == ["3", "4"]
+    assert served(f, NOW + 0.1) == ["1", "2"]
+
+
+def test_deadlines_never_reorder_levels_and_equal_timeouts_keep_arrival_order() -> None:
+    f = former(max_rows=1)
+    f.add([entry(5, prio=3, timeout_s=0.2), entry(1, prio=2), entry(2, prio=2, timeout_s=1),
+           entry(3, prio=2), entry(4, prio=1, timeout_s=60)])
+    assert [served(f, NOW)[0] for _ in range(5)] == ["4", "2", "1", "3", "5"]
+
+
+def test_a_tight_deadline_read_later_still_joins_the_next_batch_first() -> None:
+    f = former(max_rows=2)
+    f.add([entry(n) for n in range(1, 4)])
+    f.add([entry(9, timeout_s=1, enq=NOW + 0.05)])
+    assert served(f, NOW + 0.1) == ["9", "1"]
