@@ -41,6 +41,8 @@ WORKER_TOTALS = (
      "Entries reclaimed from a dead consumer and delivered again"),
     ("conveyor_dead_letter_total", "dead_letter_count",
      "Requests moved to the dead-letter stream past the delivery limit"),
+    ("conveyor_withdrawn_total", "withdrawn_count",
+     "Requests withdrawn unrun because their client left before the answer"),
     ("conveyor_worker_restarts_total", "restart_count",
      "Inference processes replaced after they died, hung or failed to load"),
 )

@@ -224,6 +224,15 @@ class BatchFormer:
             self._pending = [e for e in self._pending if e.deadline > now]
         return expired
 
+    def take_withdrawn(self, marks: dict[str, str]) -> list[Entry]:
+        """Remove and return the entries ``marks`` names (entry id -> stream): their
+        clients left, they must never run."""
+        gone = [e for e in self._pending if marks.get(e.entry_id) == e.stream]
+        if gone:
+            self._pending = [e for e in self._pending
+                             if marks.get(e.entry_id) != e.stream]
+        return gone
+
     def _head_group(self) -> list[Entry]:
         key = self.layout.key(self._pending[0].request)
         return [e for e in self._pending if self.layout.key(e.request) == key]

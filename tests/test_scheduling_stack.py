@@ -1,8 +1,13 @@
-"""Scheduling through a real API, Redis and worker: priority aging under a saturating load."""
+"""Scheduling through a real API, Redis and worker: priority aging under a saturating load,
+and requests withdrawn when their clients leave."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,9 +17,10 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import TEST_MODELS, Stack
-from tests.procs import wait_for
+from tests.procs import free_port, wait_for
 
 SLOW_MODEL = TEST_MODELS / "slow" / "model.py"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def repository(root: Path, name: str, config: str) -> Path:
@@ -87,3 +93,79 @@ parameters: {{delay_ms: {int(batch_s * 1000)}}}
     assert still_flooding, "the flood ended before priority 3 was served: nothing was shown"
     bound_s = wait_ms / 1000 + 2 * batch_s
     assert max(latencies) < bound_s + 1.5, (latencies, bound_s)
+
+
+def raw_infer(url: str, model: str, value: float) -> socket.socket:
+    """Send an infer request on a connection of its own and leave it open, unread."""
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                                   "data": [value] * 4}]}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v2/models/%s/infer HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                 b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                 % (model.encode(), len(body), body))
+    return sock
+
+
+def test_requests_whose_clients_left_are_withdrawn_and_never_run(
+        make_stack: Callable[..., Stack], tmp_path: Path) -> None:
+    """A fixed 3 s window holds what the worker read; a 600 ms model then runs it on the
+    worker's own thread, reading nothing meanwhile. Clients leave at both moments: an HTTP
+    client and a gRPC call whose requests the worker already holds (marked, dropped by the
+    worker), and an HTTP client whose request waits unread in Redis (deleted at once)."""
+    executed = tmp_path / "executed.log"
+    grpc_port = free_port()
+    stack = make_stack(repository(tmp_path / "models", "leaving", """\
+backend: python
+max_batch_size: 8
+inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]
+outputs:
+  - {name: y, datatype: FP32, shape: [-1, 4]}
+  - {name: batch_rows, datatype: INT64, shape: [-1, 1]}
+batching: {max_queue_delay_us: 3000000, adaptive: false}
+parameters: {delay_ms: 600}
+"""), ECHO_LOG=str(executed), CONVEYOR_GRPC_PORT=str(grpc_port))
+    stack.add_api()
+    stack.add_worker()
+    stack.wait_ready()
+    client = stack.redis()
+    stream, stats = f"{stack.prefix}:{{leaving}}:q:2", f"{stack.prefix}:{{leaving}}:stats"
+
+    def delivered() -> int:
+        return int(client.xpending(stream, "workers")["pending"])
+
+    def withdrawn() -> int:
+        return int(client.hget(stats, "withdrawn_count") or 0)
+
+    # Read by the worker and held in its window, then the clients leave.
+    held = raw_infer(stack.url, "leaving", 2.0)
+    wait_for(lambda: delivered() == 1, 20, "the worker to read the HTTP request")
+    with subprocess.Popen([sys.executable, "-m", "tests.grpc_cancel_probe",
+                           f"127.0.0.1:{grpc_port}", "leaving", "3"], cwd=ROOT,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as probe:
+        assert probe.stdout is not None and probe.stdin is not None
+        assert probe.stdout.readline().strip() == "sent"
+        wait_for(lambda: delivered() == 2, 20, "the worker to read the gRPC request")
+        held.close()
+        probe.stdin.write("cancel\n")
+        probe.stdin.flush()
+        assert probe.stdout.readline().strip() == "cancelled"
+    wait_for(lambda: withdrawn() == 2 and delivered() == 0, 20,
+             "the worker to drop both requests")
+    assert not executed.exists()
+
+    # The model runs one request; another waits unread in Redis, and its client leaves.
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(infer, stack.url, "leaving", 1.0)
+        wait_for(lambda: executed.exists() and executed.read_text().split() == ["1"], 20,
+                 "the model to start the first request")
+        queued = raw_infer(stack.url, "leaving", 4.0)
+        wait_for(lambda: client.xlen(stream) == 2, 20, "the second request to queue")
+        queued.close()
+        wait_for(lambda: withdrawn() == 3, 20, "the unread request to be withdrawn")
+        assert running.result().status_code == 200
+    assert executed.read_text().split() == ["1"]
+    wait_for(lambda: client.xlen(stream) == 0 and int(client.get(
+        f"{stack.prefix}:{{leaving}}:rows") or 0) == 0, 20, "the queue to empty")
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    assert 'conveyor_withdrawn_total{model="leaving"} 3.0' in metrics, metrics

@@ -2,7 +2,8 @@
 
 The loop: block for the first entry, top up without blocking while the policy says
 wait (the window is timed here, never by a short Redis BLOCK), claim what dead or stuck
-consumers left behind, answer expired entries without running them, run one shape
+consumers left behind, drop entries whose clients left (each read fetches the model's
+withdrawn set along), answer expired entries without running them, run one shape
 group, split the outputs, answer and acknowledge in one pipeline. Every few seconds, and
 at once after Redis failed or lost data, it also recomputes the model's rows-waiting
 counter from its streams (workers/reconcile.py).
@@ -275,6 +276,10 @@ class InferenceLoop:
         if fresh:
             self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
             self.former.add(fresh)
+        if self.streams.withdrawn:
+            gone = self.former.take_withdrawn(self.streams.withdrawn)
+            if gone:
+                self.streams.withdraw(gone)
 
     def _admit(self, claimed: list[Entry]) -> None:
         """Queue claimed entries, dead-lettering those delivered too often."""
