@@ -89,6 +89,11 @@ class Layout:
                 return tensor.shape[self.pad[tensor.name][0]]
         return None
 
+    def width(self, request: Request) -> int:
+        """What one of the request's rows weighs in a batch's memory cost: its padded
+        length (at least 1), or 1 without a padded axis."""
+        return max(1, self.length(request) or 1) if self.pad else 1
+
 
 @dataclass(slots=True)
 class Batch:
@@ -99,6 +104,11 @@ class Batch:
     @property
     def rows(self) -> int:
         return sum(e.rows for e in self.entries)
+
+    @property
+    def width(self) -> int:
+        """The padded length every row of the batch is given (1 without a padded axis)."""
+        return max(self.layout.width(e.request) for e in self.entries)
 
     @property
     def lone(self) -> bool:
@@ -170,6 +180,9 @@ class BatchFormer:
     defaults to its rows)."""
     max_wait_ms: int | None = None
     """``queue.max_priority_wait_ms``: priority aging; None: strict priority."""
+    max_padded: int | None = None
+    """The learned memory cap of a model with a padded axis (batching/memory.py): rows
+    times the padded length, at most; None: no such cap yet."""
     _pending: list[Entry] = field(default_factory=list)
     _next_aging_ms: float = float("inf")
     """When the next entry not yet aged will be (ms since the epoch)."""
@@ -224,6 +237,19 @@ class BatchFormer:
             self._pending = [e for e in self._pending if e.deadline > now]
         return expired
 
+    def _fitting(self, group: list[Entry]) -> list[Entry]:
+        """The leading entries of ``group`` whose rows times their longest padded length
+        stay within ``max_padded`` (the first always)."""
+        if self.max_padded is None:
+            return group
+        rows = width = 0
+        for i, entry in enumerate(group):
+            rows += entry.rows
+            width = max(width, self.layout.width(entry.request))
+            if i and rows * width > self.max_padded:
+                return group[:i]
+        return group
+
     def take_withdrawn(self, marks: dict[str, str]) -> list[Entry]:
         """Remove and return the entries ``marks`` names (entry id -> stream): their
         clients left, they must never run."""
@@ -242,6 +268,9 @@ class BatchFormer:
             return Decision(False, wait_s=float("inf"))
         self._age(now)
         group = self._head_group()
+        if self.max_padded is not None and len(self._fitting(group)) < len(group):
+            # The memory cap, not the policy, bounds this batch: waiting cannot grow it.
+            return Decision(True, reason="full")
         return self.policy.decide(
             now,
             rows=sum(e.rows for e in group),
@@ -259,7 +288,7 @@ class BatchFormer:
         chosen: list[Entry] = []
         rows = 0
         cost = 0.0
-        for entry in self._head_group():
+        for entry in self._fitting(self._head_group()):
             if chosen and (rows + entry.rows > limit or entry.deliveries > 1
                            or chosen[0].deliveries > 1
                            or (self.max_cost is not None
