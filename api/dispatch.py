@@ -6,7 +6,9 @@ waiting against its limit and appends the request to its stream, atomically, so 
 overload check costs no extra round trip and a rejected request writes nothing.
 Replies come back on one list per API process (``cv:reply:{api_id}``), popped in bulk
 on a second connection; each pop's reply resolves the requests' futures and sends the
-next pop. Both connections are lean RESP links (batching.resp), or redis.asyncio ones
+next pop. A request whose waiter is cancelled (its client left: an HTTP hang-up, a
+cancelled gRPC call) is withdrawn from its model's queue (batching/lua/withdraw.lua), so
+the model never runs it. Both connections are lean RESP links (batching.resp), or redis.asyncio ones
 with ``CONVEYOR_LEAN_REDIS=0`` (batching.redis_links); redis-py serves every other Redis
 call of the API.
 """
@@ -27,7 +29,7 @@ import redis.asyncio as aioredis
 
 from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
-from batching.keys import Keys
+from batching.keys import GROUP, Keys
 from batching.lua import script
 from batching.redis_links import AsyncLink, open_pipeline_link
 from batching.resp import Address, RespError, open_link
@@ -40,6 +42,7 @@ POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
 REQUEST_ADMIT = script("admit")
+WITHDRAW = script("withdraw")
 EXEC_SMOOTHING = 0.25
 """Weight of the newest lone request's run time in its model's smoothed one."""
 POLL_LEAD = 0.8
@@ -54,6 +57,8 @@ class Admission:
     rows_key: str
     rows: int
     max_rows: int
+    model: str = ""
+    """The model's name, for withdrawing the request; "" never withdraws it."""
 
 
 class Dispatcher:
@@ -63,11 +68,14 @@ class Dispatcher:
         otherwise on redis.asyncio, through :attr:`redis`."""
         self.api_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.reply_key = keys.reply(self.api_id)
+        self._keys = keys
         self._address = Address.from_url(redis_url)
         self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5,
                                               socket_timeout=2.0)
         self._ids = itertools.count(1)
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
+        self._entry_ids: dict[asyncio.Future[Reply], bytes | str] = {}
+        """Stream entry ids of admitted requests still waiting: what a withdrawal names."""
         self._outbox: list[tuple[Admission, bytes, asyncio.Future[Reply]]] = []
         self._lean = lean
         self._pop_command = ("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
@@ -115,6 +123,7 @@ class Dispatcher:
 
         Raises :class:`Overloaded` if the model's queue is full, :class:`Unavailable` if
         Redis is unreachable and :class:`DeadlineExceeded` when ``timeout_s`` passes.
+        Cancelled (the client left), it withdraws the request before it re-raises.
         """
         if not self.redis_ok or self._writer is None:
             raise Unavailable("Redis is unreachable")
@@ -140,9 +149,27 @@ class Dispatcher:
             if lone and reply.exec_ms > 0:
                 self._note_exec(admission.rows_key, reply.exec_ms / 1e3)
             return reply
+        except asyncio.CancelledError:
+            entry_id = self._entry_ids.get(fut)
+            if entry_id is not None:  # else not admitted yet: _admitted withdraws it
+                self._withdraw(admission, entry_id, request.deadline_ms)
+            raise
         finally:
             expiry.cancel()
             self._waiting.pop(request.id, None)
+            self._entry_ids.pop(fut, None)
+
+    def _withdraw(self, admission: Admission, entry_id: bytes | str, deadline_ms: int) -> None:
+        """Take an admitted request back: deleted if no worker has read it yet, else
+        marked for the worker holding it (batching/lua/withdraw.lua). Best effort: if
+        Redis cannot be reached the worker runs it and nobody reads the answer."""
+        if not admission.model or self._writer is None:
+            return
+        keys = self._keys
+        self._writer.write(self._writer.prepare([(
+            "EVAL", WITHDRAW.text, 4, admission.rows_key, admission.stream,
+            keys.withdrawn(admission.model), keys.stats(admission.model), GROUP, entry_id,
+            admission.rows, deadline_ms, int(time.time() * 1000))]), [_withdrawn])
 
     def _note_exec(self, model: str, seconds: float) -> None:
         seen = self._exec_s.get(model)
@@ -193,11 +220,15 @@ class Dispatcher:
                          [partial(self._admitted, admission, data, fut)])
             return
         if fut.done():
+            if fut.cancelled() and isinstance(reply, list) and reply[0] >= 0:
+                self._withdraw(admission, reply[1], Request.decode(data).deadline_ms)
             return
         if isinstance(reply, OSError | RespError):
             self._mark_down(reply)
             fut.set_exception(Unavailable(f"Redis is unreachable: {reply}"))
-        elif reply[0] < 0:
+        elif reply[0] >= 0:
+            self._entry_ids[fut] = reply[1]
+        else:
             fut.set_exception(Overloaded(
                 f"Exceeds maximum queue size: {-reply[0] - 1} rows waiting, limit "
                 f"{admission.max_rows} (max_queue_rows)"))
@@ -290,6 +321,11 @@ class Dispatcher:
         fut = self._waiting.get(reply.id)
         if fut is not None and not fut.done():
             fut.set_result(reply)
+
+
+def _withdrawn(reply: Any) -> None:
+    if isinstance(reply, OSError | RespError):
+        log.warning("could not withdraw a request whose client left: %s", reply)
 
 
 def _expire(fut: asyncio.Future[Reply], timeout_s: float) -> None:

@@ -41,5 +41,6 @@ class DispatchPort(Protocol):
 
         Raises :class:`batching.errors.Overloaded` when the model's queue is full,
         :class:`batching.errors.Unavailable` when Redis is unreachable and
-        :class:`batching.errors.DeadlineExceeded` when ``timeout_s`` passes.
+        :class:`batching.errors.DeadlineExceeded` when ``timeout_s`` passes. Cancelled
+        (its client left), it withdraws the request from the model's queue.
         """

@@ -7,6 +7,10 @@ complete within ``body_timeout_s``, answers 431 to request headers larger than
 ``max_header_bytes``, closes idle keep-alive connections after ``keepalive_s`` and closes
 a new connection at once while ``max_connections`` are open. Used by :mod:`api.serve`.
 
+A client that hangs up before its response is complete is told to the application: the
+function a request's scope holds under :data:`DISCONNECT_HOOK` (set by the infer route,
+:mod:`api.infer`) is called, which cancels the request and withdraws it from its queue.
+
 Framing: a request with both ``Transfer-Encoding: chunked`` and ``Content-Length`` is
 read as chunked, as RFC 9112 section 6.3 says (llhttp refuses it unless told to be
 lenient), its ``Content-Length`` is dropped before the application sees the headers,
@@ -42,6 +46,9 @@ MAX_HEADER_BYTES = 64 * 1024
 """Request line and headers of one request, at most (h11's default is 16 KiB)."""
 WARN_EVERY_S = 60.0
 """A full connection table is logged at most this often."""
+DISCONNECT_HOOK = "conveyor.on_disconnect"
+"""Scope key of a function (no arguments) to call when the client hangs up before the
+response to that request is complete."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         self._disarm_body_timer()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            hook = cycle.scope.get(DISCONNECT_HOOK)
+            if callable(hook):
+                hook()
 
     # Parser callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:

@@ -9,7 +9,9 @@ splits the body into a JSON header and raw tensors (``0``: the whole body is the
 data of the model's one input); gzip and deflate request bodies are accepted and the
 response is compressed when ``Accept-Encoding`` asks for it. The model is looked up
 before the body is read, and the body is read, inflated and parsed within the limits of
-:mod:`api.body` (413 past ``max_request_bytes``).
+:mod:`api.body` (413 past ``max_request_bytes``). A client that hangs up before its answer
+cancels its request (:data:`api.http_guard.DISCONNECT_HOOK`): a queued request is
+withdrawn and never runs, and nothing is answered.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import orjson
 
 from api.binary import compress, raw_input
 from api.body import content_length, drain, inflate, read_body
+from api.http_guard import DISCONNECT_HOOK
 from api.kserve import InferRequest, parse_header, render
 from api.service import InferenceService
 from batching.config import ModelConfig
@@ -64,6 +67,16 @@ class InferRoute:
         limits = self.service.bodies
         declared = content_length(headers.get(b"content-length"))
         read = False
+        task = asyncio.current_task()
+        gone = False
+
+        def hang_up() -> None:
+            nonlocal gone
+            gone = True
+            if task is not None:
+                task.cancel()
+
+        scope[DISCONNECT_HOOK] = hang_up
 
         async def parse(config: ModelConfig) -> InferRequest:
             """Read, inflate and parse the body; a large one holds a place while it does."""
@@ -81,6 +94,10 @@ class InferRoute:
         try:
             parsed, reply = await self.service.infer(model, parse, started, protocol, version)
             content, json_length = render(model, parsed, reply.outputs)
+        except asyncio.CancelledError:
+            if gone:  # the client left: the request is withdrawn, nobody to answer
+                return
+            raise
         except ConveyorError as exc:
             extra = []
             if isinstance(exc, Overloaded):

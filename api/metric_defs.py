@@ -184,6 +184,14 @@ DEAD_LETTER = MetricDef(
     "Requests moved to the model's dead-letter stream after more than `max_deliveries` "
     "deliveries (`dead_letter_count`).",
     "redis")
+WITHDRAWN = MetricDef(
+    "conveyor_withdrawn_total", "counter", ("model",),
+    "Requests withdrawn unrun because their client left before the answer",
+    "Requests whose HTTP client disconnected or whose gRPC call was cancelled before the "
+    "model ran them (`withdrawn_count`): deleted from the stream if no worker had read them, "
+    "else dropped by the worker without running "
+    "([batching.md](batching.md#requests-whose-client-left)).",
+    "redis")
 SHED = MetricDef(
     "conveyor_shed_total", "counter", ("model",),
     "Requests answered at once because a batch could not finish before their deadline",
@@ -284,6 +292,6 @@ RESIDENT_MEMORY = MetricDef(
 
 ALL = (REDIS_UP, REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, REQUEST_BATCH_SIZE,
        IN_FLIGHT, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
-       BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, SHED, RESTARTS, JOB_ROWS,
+       BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, WITHDRAWN, SHED, RESTARTS, JOB_ROWS,
        JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP, ARRIVAL_RATE,
        LATENCY_INTERCEPT, LATENCY_SLOPE, GPU_USED, GPU_TOTAL, RESIDENT_MEMORY)

@@ -32,7 +32,8 @@ from batching.redis_errors import REDIS_FAILED
 
 QUEUE_AGE_LUA = script("queue_age").text
 WORKER_TOTALS = ((d.OOM, "oom_count"), (d.RECLAIMED, "reclaimed_count"),
-                 (d.DEAD_LETTER, "dead_letter_count"), (d.SHED, "shed_count"),
+                 (d.DEAD_LETTER, "dead_letter_count"), (d.WITHDRAWN, "withdrawn_count"),
+                 (d.SHED, "shed_count"),
                  (d.RESTARTS, "restart_count"),
                  (d.ROWS, "inference_count"), (d.JOB_ROWS, "job_rows"))
 """Counters the workers keep in each model's stats hash, exposed per model."""

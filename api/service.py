@@ -114,7 +114,7 @@ class InferenceService:
                 params=_params(parsed, config),
             )
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
-                                  parsed.rows, config.queue.max_queue_rows)
+                                  parsed.rows, config.queue.max_queue_rows, model)
             reply = await self.dispatcher.submit(admission, request, timeout_ms / 1000.0)
             if not reply.ok:
                 raise from_code(reply.error_code, reply.error)

@@ -83,6 +83,9 @@ class QueueConfig:
     default_priority: int = 2
     max_queue_rows: int = 10000
     default_timeout_ms: int = 30000
+    max_priority_wait_ms: int | None = None
+    """Priority aging (docs/batching.md): a request of a lower level queued this long is
+    served ahead of every level; None keeps priority strict."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +191,8 @@ class ModelConfig:
                                     tuple(batching.preferred_batch_sizes),
                                     batching.latency_target_ms, batching.adaptive),
             queue=QueueConfig(queue.priority_levels, queue.default_priority,
-                              queue.max_queue_rows, queue.default_timeout_ms),
+                              queue.max_queue_rows, queue.default_timeout_ms,
+                              queue.max_priority_wait_ms),
             execution_timeout_s=schema.execution_timeout_s,
             max_batch_cost=schema.max_batch_cost,
             max_deliveries=schema.max_deliveries,

@@ -93,6 +93,9 @@ class QueueSchema(_Section):
     default_priority: Annotated[int, Field(ge=1)] = 2
     max_queue_rows: Annotated[int, Field(ge=1, le=UINT32_MAX)] = 10000
     default_timeout_ms: Annotated[int, Field(ge=1, le=INT64_MAX // 1000)] = 30000
+    max_priority_wait_ms: Annotated[int, Field(ge=1, le=INT64_MAX // 1000)] | None = None
+    """Priority aging: a request of a level below 1 queued this long goes ahead of every
+    level. None: strict priority, as in Triton."""
 
 
 class InstanceSchema(_Section):

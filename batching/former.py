@@ -1,8 +1,14 @@
 """Forming batches from stream entries: the in-memory state of one inference process.
 
 The former owns the entries this process has read but not yet run. It orders them by
-priority, answers none of them itself (it hands expired ones back to the caller), and
-gives out one shape group at a time, oldest first, as the policy decides.
+priority and, within a priority, earliest deadline first (a request's deadline is its
+``parameters.timeout``, or the model's ``queue.default_timeout_ms``, after it was
+enqueued); it answers none of them itself (it hands expired ones back to the caller), and
+gives out one shape group at a time, in that order, as the policy decides.
+
+Priority aging (``queue.max_priority_wait_ms``): an entry of a level below 1 that has
+waited that long since the API enqueued it is *aged*: it goes ahead of every level, aged
+entries oldest first. Without it priority is strict, and a busy level 1 starves the others.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class Entry:
     """Wall-clock seconds when this process read it."""
     deliveries: int = 1
     """How often Redis has handed it out; above 1 it outlived a process (maybe killed it)."""
+    aged: bool = False
+    """Waited ``max_priority_wait_ms``: served ahead of every priority level."""
 
     @property
     def rows(self) -> int:
@@ -81,6 +89,11 @@ class Layout:
                 return tensor.shape[self.pad[tensor.name][0]]
         return None
 
+    def width(self, request: Request) -> int:
+        """What one of the request's rows weighs in a batch's memory cost: its padded
+        length (at least 1), or 1 without a padded axis."""
+        return max(1, self.length(request) or 1) if self.pad else 1
+
 
 @dataclass(slots=True)
 class Batch:
@@ -91,6 +104,11 @@ class Batch:
     @property
     def rows(self) -> int:
         return sum(e.rows for e in self.entries)
+
+    @property
+    def width(self) -> int:
+        """The padded length every row of the batch is given (1 without a padded axis)."""
+        return max(self.layout.width(e.request) for e in self.entries)
 
     @property
     def lone(self) -> bool:
@@ -141,6 +159,15 @@ def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
     return padded
 
 
+def _order(entry: Entry) -> tuple[int, int]:
+    """Aged entries first, oldest first; then by priority level, and within a level by
+    deadline (earliest first). Python's sort is stable: ties keep the order entries were
+    read in, so requests with the same timeout go in arrival order."""
+    if entry.aged:
+        return 0, entry.request.enq_ms
+    return entry.request.prio, entry.request.deadline_ms
+
+
 @dataclass(slots=True)
 class BatchFormer:
     policy: Policy
@@ -151,7 +178,14 @@ class BatchFormer:
     max_cost: float | None = None
     """Bound on the summed ``cost`` parameter of a batch's requests (a request's cost
     defaults to its rows)."""
+    max_wait_ms: int | None = None
+    """``queue.max_priority_wait_ms``: priority aging; None: strict priority."""
+    max_padded: int | None = None
+    """The learned memory cap of a model with a padded axis (batching/memory.py): rows
+    times the padded length, at most; None: no such cap yet."""
     _pending: list[Entry] = field(default_factory=list)
+    _next_aging_ms: float = float("inf")
+    """When the next entry not yet aged will be (ms since the epoch)."""
 
     @property
     def pending_rows(self) -> int:
@@ -163,12 +197,38 @@ class BatchFormer:
     @property
     def best_priority(self) -> int:
         """The most urgent priority level waiting here (0 when nothing waits)."""
-        return self._pending[0].request.prio if self._pending else 0
+        if not self._pending:
+            return 0
+        if self._pending[0].aged:  # aged entries lead whatever their level
+            return min(e.request.prio for e in self._pending)
+        return self._pending[0].request.prio
 
     def add(self, entries: Iterable[Entry]) -> None:
-        self._pending.extend(entries)
-        # Stable: priority first, then arrival order within a priority.
-        self._pending.sort(key=lambda e: e.request.prio)
+        fresh = list(entries)
+        self._pending.extend(fresh)
+        if self.max_wait_ms is not None:
+            for e in fresh:
+                if e.request.prio > 1:
+                    self._next_aging_ms = min(self._next_aging_ms,
+                                              e.request.enq_ms + self.max_wait_ms)
+        self._pending.sort(key=_order)
+
+    def _age(self, now: float) -> None:
+        """Mark the entries that have waited ``max_wait_ms``; they move to the front."""
+        now_ms = now * 1000.0
+        if self.max_wait_ms is None or now_ms < self._next_aging_ms:
+            return
+        wait = self.max_wait_ms
+        upcoming = float("inf")
+        for e in self._pending:
+            if e.aged or e.request.prio == 1:
+                continue
+            if e.request.enq_ms + wait <= now_ms:
+                e.aged = True
+            else:
+                upcoming = min(upcoming, e.request.enq_ms + wait)
+        self._next_aging_ms = upcoming
+        self._pending.sort(key=_order)
 
     def take_expired(self, now: float) -> list[Entry]:
         """Remove and return entries whose deadline has passed: they must never run."""
@@ -177,6 +237,28 @@ class BatchFormer:
             self._pending = [e for e in self._pending if e.deadline > now]
         return expired
 
+    def _fitting(self, group: list[Entry]) -> list[Entry]:
+        """The leading entries of ``group`` whose rows times their longest padded length
+        stay within ``max_padded`` (the first always)."""
+        if self.max_padded is None:
+            return group
+        rows = width = 0
+        for i, entry in enumerate(group):
+            rows += entry.rows
+            width = max(width, self.layout.width(entry.request))
+            if i and rows * width > self.max_padded:
+                return group[:i]
+        return group
+
+    def take_withdrawn(self, marks: dict[str, str]) -> list[Entry]:
+        """Remove and return the entries ``marks`` names (entry id -> stream): their
+        clients left, they must never run."""
+        gone = [e for e in self._pending if marks.get(e.entry_id) == e.stream]
+        if gone:
+            self._pending = [e for e in self._pending
+                             if marks.get(e.entry_id) != e.stream]
+        return gone
+
     def _head_group(self) -> list[Entry]:
         key = self.layout.key(self._pending[0].request)
         return [e for e in self._pending if self.layout.key(e.request) == key]
@@ -184,7 +266,11 @@ class BatchFormer:
     def decide(self, now: float) -> Decision:
         if not self._pending:
             return Decision(False, wait_s=float("inf"))
+        self._age(now)
         group = self._head_group()
+        if self.max_padded is not None and len(self._fitting(group)) < len(group):
+            # The memory cap, not the policy, bounds this batch: waiting cannot grow it.
+            return Decision(True, reason="full")
         return self.policy.decide(
             now,
             rows=sum(e.rows for e in group),
@@ -193,7 +279,7 @@ class BatchFormer:
         )
 
     def take(self, reason: str, max_rows: int | None = None) -> Batch:
-        """Remove the head shape group, up to ``max_rows`` rows, oldest first.
+        """Remove the head shape group, up to ``max_rows`` rows, in the former's order.
 
         A re-delivered entry runs alone: if it is what killed a process, it fails alone
         and its former neighbours succeed.
@@ -202,7 +288,7 @@ class BatchFormer:
         chosen: list[Entry] = []
         rows = 0
         cost = 0.0
-        for entry in self._head_group():
+        for entry in self._fitting(self._head_group()):
             if chosen and (rows + entry.rows > limit or entry.deliveries > 1
                            or chosen[0].deliveries > 1
                            or (self.max_cost is not None

@@ -45,6 +45,12 @@ class Keys:
         crash of that consumer is blamed on."""
         return f"{self.prefix}:{{{model}}}:suspects"
 
+    def withdrawn(self, model: str) -> str:
+        """Sorted set of entries whose clients left after a worker read them: member
+        "<stream> <entry id>", score the request's deadline (ms). The worker holding one
+        drops it unrun (batching/lua/withdraw.lua)."""
+        return f"{self.prefix}:{{{model}}}:withdrawn"
+
     def stats(self, model: str) -> str:
         """Hash of counters the workers add to with every batch (Triton's statistics)."""
         return f"{self.prefix}:{{{model}}}:stats"

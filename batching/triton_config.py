@@ -2,9 +2,9 @@
 
 Triton's ``dims`` leave out the batch dim when ``max_batch_size > 0``; conveyor's shapes
 carry it first, so ``dims`` is the shape less its first entry (the whole shape when
-``max_batch_size`` is 0). Knobs Triton has no field
-for (the adaptive policy, its latency target, the execution timeout) appear as
-``parameters`` named ``conveyor.*``, beside the model's own ``parameters``.
+``max_batch_size`` is 0). Knobs Triton has no field for (the adaptive policy, its latency
+target, the execution timeout, priority aging) appear as ``parameters`` named
+``conveyor.*``, beside the model's own ``parameters``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
         "conveyor.latency_target_ms": {"string_value": f"{config.batching.latency_target_ms:g}"},
         "conveyor.execution_timeout_s": {"string_value": f"{config.execution_timeout_s:g}"},
     })
+    if queue.max_priority_wait_ms is not None:
+        parameters["conveyor.max_priority_wait_ms"] = {
+            "string_value": str(queue.max_priority_wait_ms)}
     return {
         "name": config.name,
         "platform": platform,

@@ -339,6 +339,7 @@ _CONVEYOR: dict[str, tuple[str, Callable[[str], Any]]] = {
     "conveyor.adaptive": ("batching.adaptive", lambda text: {"true": True, "false": False}[text]),
     "conveyor.latency_target_ms": ("batching.latency_target_ms", float),
     "conveyor.execution_timeout_s": ("execution_timeout_s", float),
+    "conveyor.max_priority_wait_ms": ("queue.max_priority_wait_ms", int),
 }
 
 

@@ -2,7 +2,8 @@
 
 The loop: block for the first entry, top up without blocking while the policy says
 wait (the window is timed here, never by a short Redis BLOCK), claim what dead or stuck
-consumers left behind, answer expired entries without running them, run one shape
+consumers left behind, drop entries whose clients left (each read fetches the model's
+withdrawn set along), answer expired entries without running them, run one shape
 group, split the outputs, answer and acknowledge in one pipeline. Every few seconds, and
 at once after Redis failed or lost data, it also recomputes the model's rows-waiting
 counter from its streams (workers/reconcile.py).
@@ -14,7 +15,8 @@ then answers the batch that just finished. Redis stays on this thread. Without a
 thread each step runs its batch to the end: what tests that drive the loop step by step use.
 
 Model failures are answered, never fatal. Out of memory halves the batch and the
-learned row cap. A CUDA error that poisons the context stops the process with the batch
+learned memory cap: on rows, or for a model with a padded axis on rows times the padded
+length (batching/memory.py). A CUDA error that poisons the context stops the process with the batch
 unacknowledged: the supervisor replaces it and another process re-runs the entries.
 """
 
@@ -40,7 +42,7 @@ from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unava
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.histograms import execution_field
 from batching.keys import COMPUTE_PHASES, Keys
-from batching.memory import RowCap
+from batching.memory import UNBOUNDED, RowCap
 from batching.policy_choice import make_policy
 from batching.service_rate import ServiceRate
 from workers.backends import (
@@ -87,9 +89,10 @@ class _Outcome:
     phase_ns: list[int] = field(default_factory=lambda: [0, 0, 0])
     """Nanoseconds spent stacking inputs, in the model, and splitting and packing outputs
     (Triton's compute_input, compute_infer, compute_output)."""
-    fits: list[tuple[bool, int]] = field(default_factory=list)
-    """Each predict's rows and whether they fitted in device memory, in order: the row cap
-    learns from them on the loop's thread."""
+    fits: list[tuple[bool, int, int]] = field(default_factory=list)
+    """Each predict's rows, its padded length (1 without a padded axis) and whether they
+    fitted in device memory, in order: the memory cap learns from them on the loop's
+    thread."""
     prep_s: float | None = None
     """Run on the loop's thread: the CPU seconds that thread spent since the previous batch
     was answered (reading, decoding, forming this one). None: run on the model thread."""
@@ -117,13 +120,18 @@ class InferenceLoop:
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
         self.former = BatchFormer(self.policy, config.batch_rows, Layout.of(config),
-                                  config.max_batch_cost)
+                                  config.max_batch_cost, config.queue.max_priority_wait_ms)
         self.row_cap = RowCap(config.batch_rows)
         """The one owner of the batch size bound: ``limit`` is ``max_batch_size`` (lowered
         at run time by :meth:`apply_control`), ``cap`` the rows the device has shown it
         holds, never above ``limit``. The policy and the former keep the configured bound
         and get the run-time one from here: the policy as its ``row_cap``, the former with
-        each :meth:`BatchFormer.take`."""
+        each :meth:`BatchFormer.take`. For a model with a padded axis it never learns:
+        :attr:`cost_cap` does."""
+        self.cost_cap = RowCap(UNBOUNDED)
+        """A model with a padded axis: the learned bound on rows times padded length,
+        which the former applies (``max_padded``)."""
+        self._padded = bool(self.former.layout.pad)
         self.events: BatchListener = _no_events
         self.stopping = False
         self._lone = False
@@ -302,6 +310,10 @@ class InferenceLoop:
         if fresh:
             self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
             self.former.add(fresh)
+        if self.streams.withdrawn:
+            gone = self.former.take_withdrawn(self.streams.withdrawn)
+            if gone:
+                self.streams.withdraw(gone)
 
     def _admit(self, claimed: list[Entry]) -> None:
         """Queue claimed entries, dead-lettering those delivered too often."""
@@ -347,11 +359,13 @@ class InferenceLoop:
 
     def _learn_fits(self, done: _Outcome) -> None:
         """What the batch showed of device memory, in the order it happened."""
-        for fitted, rows in done.fits:
-            if fitted:
-                self.row_cap.on_success(rows)
+        for fitted, rows, width in done.fits:
+            if not fitted:
+                self._on_oom(rows, width)
+            elif self._padded:
+                self.cost_cap.on_success(rows * width, width)
             else:
-                self._on_oom(rows)
+                self.row_cap.on_success(rows)
         self._publish_cap()
 
     def _finish(self, done: _Outcome) -> None:
@@ -387,6 +401,7 @@ class InferenceLoop:
     def _run_entries(self, entries: list[Entry], done: _Outcome) -> list[tuple[Entry, Reply]]:
         rows = sum(e.rows for e in entries)
         batch = Batch(entries, "", self.former.layout)
+        width = batch.width
         phases = done.phase_ns
         begun = time.perf_counter_ns()
         try:
@@ -399,13 +414,13 @@ class InferenceLoop:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
                     for e in entries]
         except _OutOfMemory:
-            done.fits.append((False, rows))
+            done.fits.append((False, rows, width))
             if len(entries) == 1:
                 return [(entries[0], self._oom_alone(entries[0], done))]
             half = len(entries) // 2
             return (self._run_entries(entries[:half], done)
                     + self._run_entries(entries[half:], done))
-        done.fits.append((True, rows))
+        done.fits.append((True, rows, width))
         exec_ms = (time.time() - done.started) * 1000.0
         splitting = time.perf_counter_ns()
         answered = []
@@ -422,9 +437,9 @@ class InferenceLoop:
     def _oom_alone(self, entry: Entry, done: _Outcome) -> Reply:
         """One request out of memory: bisect its rows; a single row that fails, fails alone."""
         try:
-            outputs = self._predict_halves(
-                Batch([entry], "", self.former.layout).stacked_inputs(), entry.rows, done,
-                self._model_for(entry))
+            alone = Batch([entry], "", self.former.layout)
+            outputs = self._predict_halves(alone.stacked_inputs(), entry.rows, alone.width,
+                                           done, self._model_for(entry))
         except _OutOfMemory:
             error = ModelFailure(f"model {self.config.name!r} ran out of device memory on a "
                                  "single row of this request")
@@ -436,19 +451,19 @@ class InferenceLoop:
                                         for n, a in outputs.items() if not wanted or n in wanted],
                      batch_rows=entry.rows)
 
-    def _predict_halves(self, inputs: Arrays, rows: int, done: _Outcome,
+    def _predict_halves(self, inputs: Arrays, rows: int, width: int, done: _Outcome,
                         model: LoadedModel) -> Arrays:
         try:
             return self._predict(inputs, rows, model)
         except _OutOfMemory:
-            done.fits.append((False, rows))
+            done.fits.append((False, rows, width))
             if rows <= 1:
                 raise
             half = rows // 2
-            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half, done,
-                                         model)
+            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half, width,
+                                         done, model)
             second = self._predict_halves({k: v[half:] for k, v in inputs.items()},
-                                          rows - half, done, model)
+                                          rows - half, width, done, model)
             return {k: np.concatenate([first[k], second[k]]) for k in first}
 
     def _model_for(self, entry: Entry) -> LoadedModel:
@@ -483,11 +498,19 @@ class InferenceLoop:
 
     def _publish_cap(self) -> None:
         self.shared.row_cap = self.policy.row_cap = self.row_cap.cap
+        if self.cost_cap.cap < UNBOUNDED:
+            self.former.max_padded = self.cost_cap.cap
 
-    def _on_oom(self, rows: int) -> None:
+    def _on_oom(self, rows: int, width: int) -> None:
+        self.streams.count({"oom_count": 1})
+        if self._padded:
+            self.cost_cap.on_oom(rows * width)
+            self._publish_cap()
+            log.warning("%s: out of memory at %d rows of padded length %d; cap on rows x "
+                        "length now %d", self.config.name, rows, width, self.cost_cap.cap)
+            return
         self.row_cap.on_oom(rows)
         self._publish_cap()
-        self.streams.count({"oom_count": 1})
         log.warning("%s: out of memory at %d rows; row cap now %d", self.config.name, rows,
                     self.row_cap.cap)
 

@@ -70,6 +70,10 @@ class MemoryStreams:
         """Seconds each :meth:`read` takes."""
         self.answer_s = 0.0
         """Seconds each :meth:`answer` takes."""
+        self.withdrawn: dict[str, str] = {}
+        """The marks as the last :meth:`read` saw them: entry id -> stream."""
+        self._marks: dict[str, str] = {}
+        """The withdrawn set: entries handed out whose clients left."""
 
     def put(self, request: Request, deliveries: int = 1) -> str:
         """Admit ``request`` to the stream of its priority; return its entry id. With
@@ -83,6 +87,29 @@ class MemoryStreams:
         else:
             self._unread[stored.stream].append(stored)
         return stored.entry_id
+
+    def leave(self, entry_id: str) -> None:
+        """The client of ``entry_id`` left, as batching/lua/withdraw.lua handles it: an
+        unread entry is deleted and counted, a handed-out one marked for the loop."""
+        if entry_id in self._pending:
+            self._marks[entry_id] = self._pending[entry_id].stream
+            return
+        for unread in self._unread.values():
+            for stored in unread:
+                if stored.entry_id == entry_id:
+                    unread.remove(stored)
+                    self.rows_waiting -= stored.rows
+                    self.stats["withdrawn_count"] += 1
+                    return
+
+    def withdraw(self, entries: list[Entry]) -> None:
+        """Release entries unrun, with no reply, and count them."""
+        for entry in entries:
+            self._marks.pop(entry.entry_id, None)
+            self.withdrawn.pop(entry.entry_id, None)
+            if self._pending.pop(entry.entry_id, None) is not None:
+                self.rows_waiting -= entry.rows
+        self.stats["withdrawn_count"] += len(entries)
 
     def replies(self, key: str) -> list[Reply]:
         """Pop every reply pushed onto ``key``, decoded."""
@@ -99,6 +126,7 @@ class MemoryStreams:
         """Up to ``count`` new entries of each stream, highest priority first; never waits
         (but takes ``read_s``)."""
         time.sleep(self.read_s)
+        self.withdrawn = dict(self._marks)
         entries = []
         for name in streams or self.streams:
             unread = self._unread[name]

@@ -83,7 +83,8 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     link = blocking_link(settings.redis_url, BLOCK_MS / 1000 + 5, settings.lean_redis)
     streams = ModelStreams(client, link, keys.queues(model_name, config.queue.priority_levels),
                            keys.stats(model_name), keys.rows_waiting(model_name), consumer,
-                           settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name))
+                           settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name),
+                           withdrawn_key=keys.withdrawn(model_name))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
     versions = {v: load_model(config, artifact_folder(folder, config, v), device)
                 for v in config.served_versions}

@@ -42,7 +42,15 @@ class StreamPort(Protocol):
 
     def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
              poll: bool = False) -> list[Entry]:
-        """New entries, highest priority stream first; ``block_ms=None`` does not block."""
+        """New entries, highest priority stream first; ``block_ms=None`` does not block.
+        Also refreshes :attr:`withdrawn`."""
+        ...
+
+    withdrawn: dict[str, str]
+    """Entries whose clients left, as the last read saw them: entry id -> stream."""
+
+    def withdraw(self, entries: list[Entry]) -> None:
+        """Release ``entries`` unrun (their clients left) and count them, with no reply."""
         ...
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],

@@ -6,6 +6,10 @@ list, with a TTL so a vanished API leaves nothing behind), then release.lua per 
 which acknowledges and deletes the entries and releases the rows of those it deleted
 from the queue limit, in one step. Redis applies them in that order, so the statistics
 count a request before its client can have the answer.
+Each read also fetches, in the same round trip, the model's withdrawn set: entries whose
+clients left after a worker read them (batching/lua/withdraw.lua). The loop drops those it
+holds unrun, and :meth:`ModelStreams.withdraw` releases them like an answer, without a
+reply.
 Reads and answers, once per batch, use the lean client of :mod:`batching.resp`, and an
 answer's replies are read with the next read's; the rarer calls (claims, dead letters)
 use redis-py.
@@ -52,8 +56,15 @@ def _no_loss(why: str) -> None:
 class ModelStreams:
     def __init__(self, client: redis.Redis, link: BlockingLink, streams: list[str], stats_key: str,
                  rows_key: str, consumer: str, busy_poll_s: float = 0.0, *,
-                 suspects_key: str) -> None:
+                 suspects_key: str, withdrawn_key: str | None = None) -> None:
+        """``withdrawn_key``: the model's withdrawn set, fetched with every read (None:
+        never fetched)."""
         self._redis = client
+        self.withdrawn_key = withdrawn_key
+        self._check: list[Command] = [] if withdrawn_key is None else [
+            ("ZRANGE", withdrawn_key, 0, -1)]
+        self.withdrawn: dict[str, str] = {}
+        """Marks fetched with the last read: entry id -> stream (empty: none)."""
         self.suspects_key = suspects_key
         self._on_trial = False
         self.busy_poll_s = busy_poll_s
@@ -171,14 +182,44 @@ class ModelStreams:
             command += ["BLOCK", block_ms]
         command += ["STREAMS", *names, *(">" for _ in names)]
         try:
-            result = self._link.execute([command], self.busy_poll_s if poll else 0.0)[0]
+            replies = self._link.execute([command, *self._check],
+                                         self.busy_poll_s if poll else 0.0)
         except RespError as exc:
             self.on_missing_group(exc)
             return []
+        result = replies[0]
+        if self._check:
+            self._note_withdrawn(replies[1])
         entries = []
         for stream, items in result or []:
             entries.extend(self._entries(_text(stream), items, {}))
         return entries
+
+    def _note_withdrawn(self, members: list[bytes]) -> None:
+        if not members and not self.withdrawn:
+            return
+        marks = {}
+        for member in members:
+            stream, _, entry_id = _text(member).rpartition(" ")
+            marks[entry_id] = stream
+        self.withdrawn = marks
+
+    def withdraw(self, entries: list[Entry]) -> None:
+        """Release ``entries`` unrun, their clients gone: acknowledged, deleted, their rows
+        off the queue limit and their marks removed, counted as ``withdrawn_count``, with
+        no reply. Sent with the next write, like an answer."""
+        by_stream: dict[str, list[str | int]] = defaultdict(list)
+        for entry in entries:
+            by_stream[entry.stream] += (entry.entry_id, entry.rows)
+            self.withdrawn.pop(entry.entry_id, None)
+        self._counts["withdrawn_count"] += len(entries)
+        commands = self._due_counts()
+        for stream, released in by_stream.items():
+            commands.append(("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released))
+        if self.withdrawn_key is not None:
+            commands.append(("ZREM", self.withdrawn_key,
+                             *(f"{e.stream} {e.entry_id}" for e in entries)))
+        self._link.send(commands)
 
     def _entries(self, stream: str, items: list[Any], deliveries: dict[str, int]) -> list[Entry]:
         now = time.time()
