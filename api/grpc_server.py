@@ -88,9 +88,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.service.watch.server_ready())
 
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
-        config = self.service.models.get(request.name)
-        known = config is not None and request.version in ("", *config.served_versions)
-        return pb.ModelReadyResponse(ready=known and self.service.watch.model_ready(request.name))
+        try:  # the version as HTTP reads it: "007" is version 7
+            self.service.model(request.name, request.version)
+        except ConveyorError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self.service.watch.model_ready(request.name))
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**server_metadata(self.server_name))

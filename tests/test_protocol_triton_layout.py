@@ -109,7 +109,8 @@ def test_each_served_version_answers_with_its_own_graph(client: Client) -> None:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), ROWS * factor)
         assert as_dict(client, result.get_response())["model_version"] == (version or "3")
     assert client.is_model_ready("scale", "2") and client.is_model_ready("scale", "3")
-    assert not client.is_model_ready("scale", "1")
+    assert client.is_model_ready("scale", "02")  # a version is a number, on both protocols
+    assert not client.is_model_ready("scale", "1") and not client.is_model_ready("scale", "x")
     with pytest.raises(InferenceServerException) as caught:
         infer(client, "scale", ROWS, "1")
     assert "Request for unknown model: 'scale' version 1 is not found" in caught.value.message()
