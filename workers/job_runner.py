@@ -159,6 +159,7 @@ class JobRunner:
                             exc, delay)
                 time.sleep(delay)
                 self._next_check = 0.0  # the lease may have lapsed meanwhile
+                self._resend_in_flight()
                 continue
             except JobFailed as exc:
                 self.error = str(exc)
@@ -236,11 +237,18 @@ class JobRunner:
         return sum(b.get("state") == "ready" and now - float(b.get("ts", 0))
                    <= self.settings.heartbeat_stale_s for b in beats)
 
+    def _resend_in_flight(self) -> None:
+        """After Redis was unreachable, every chunk in flight is sent again as soon as it
+        answers: a failover to a replica, or a restart, may have lost its entry or its
+        reply. Whichever attempt answers first is kept (:meth:`_on_reply`)."""
+        for sent in self._sent.values():
+            sent.late_at = 0.0
+
     def _resend_lost(self, now: float) -> None:
         lost = [rid for rid, sent in self._sent.items() if now >= sent.late_at]
         for rid in lost:
             sent = self._sent.pop(rid)
-            log.warning("job %s: chunk %d unanswered past its deadline; sending it again",
+            log.warning("job %s: chunk %d given up for lost; sending it again",
                         self.record.id, sent.index)
             self._todo.appendleft(sent.index)
 
