@@ -35,6 +35,7 @@ from batching.resp import (
     open_link,
     resolver,
 )
+from batching.resp_cluster import ClusterConnection, SlotRoutes, open_cluster_link
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,13 @@ class AsyncLink(Protocol[P]):
 
 def blocking_link(url: str, timeout_s: float, lean: bool = True) -> BlockingLink:
     """An inference process's hot-path connection to the Redis at ``url`` (its primary,
-    under Sentinel)."""
+    under Sentinel; each command's node, in a cluster)."""
     if not lean:
         return PipelineConnection(url, timeout_s)
-    locator = PrimaryLocator(parse_topology(url))
+    topology = parse_topology(url)
+    if topology.kind == "cluster":
+        return ClusterConnection(topology, timeout_s)
+    locator = PrimaryLocator(topology)
     return Connection(locator.topology.node, timeout_s,
                       locate=locator.address if locator.watched else None)
 
@@ -94,7 +98,10 @@ def link_opener(url: str, client: aioredis.Redis, lean: bool = True) -> LinkOpen
     Sentinel): lean ones, or pipelines on ``client`` (redis.asyncio)."""
     if not lean:
         return functools.partial(open_pipeline_link, client)
-    locator = PrimaryLocator(parse_topology(url))
+    topology = parse_topology(url)
+    if topology.kind == "cluster":
+        return functools.partial(open_cluster_link, topology, SlotRoutes(topology))
+    locator = PrimaryLocator(topology)
 
     async def open_lean() -> AsyncLink[Any]:
         return await open_link(await locator.address_async(), primary=locator.watched)

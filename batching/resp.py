@@ -155,9 +155,9 @@ class Address:
         return commands
 
 
-TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN")
-"""Error replies of a Redis that is starting or failing over: retried like a lost
-connection, not raised as a refusal."""
+TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+"""Error replies of a Redis that is starting or failing over (a cluster too): retried like
+a lost connection, not raised as a refusal."""
 DEMOTED = "READONLY"
 """The error reply of a replica to a write: the node this link reached is no primary (any
 more, after a failover). The link is dropped as if lost, so its owner reconnects to the
@@ -210,16 +210,21 @@ class Connection:
         self._deferred.append((len(commands), on_replies))
 
     def execute(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
-        """Send ``commands`` in one write and return their replies, in order."""
+        """Send ``commands`` in one write and return their replies, in order; an error
+        reply raises."""
+        replies = self.exchange(commands, spin_s)
+        for reply in replies:
+            check(reply)
+        return replies
+
+    def exchange(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
+        """:meth:`execute`, error replies returned as :class:`RespError` values."""
         self.send(commands)
         count, _ = self._deferred.pop()
         self._drain()
         if spin_s > 0 and not self._reader.has_data():
             self._spin(spin_s)
-        replies = self._replies(count)
-        for reply in replies:
-            check(reply)
-        return replies
+        return self._replies(count)
 
     def call(self, *command: Arg) -> Any:
         return self.execute([command])[0]

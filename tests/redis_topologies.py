@@ -8,6 +8,7 @@ Every server is a throwaway ``redis-server`` (Debian's binary; a sentinel is
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import redis
@@ -89,6 +90,51 @@ class SentinelSet:
     def stop(self) -> None:
         for group in self.sentinels:
             group.kill_group()
+        for server in self.servers:
+            server.stop()
+
+
+class ClusterSet:
+    """A Redis Cluster of ``primaries`` nodes without replicas, slots split evenly
+    (``redis-cli --cluster create``)."""
+
+    def __init__(self, workdir: Path, primaries: int = 3) -> None:
+        self.servers = [
+            RedisServer(_folder(workdir, f"node-{i}"), "--cluster-enabled", "yes",
+                        "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port()),
+                        "--cluster-node-timeout", "2000")
+            for i in range(primaries)]
+        try:
+            subprocess.run(["redis-cli", "--cluster", "create",
+                            *(f"127.0.0.1:{s.port}" for s in self.servers),
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            wait_for(self._ok, 30, "the cluster to serve every slot", interval=0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def _ok(self) -> bool:
+        for server in self.servers:
+            with redis.Redis(port=server.port, socket_timeout=1) as node:
+                info = node.cluster("INFO")
+                if info["cluster_state"] != "ok" or int(info["cluster_slots_ok"]) != 16384:
+                    return False
+        return True
+
+    def port_of_slot(self, slot: int) -> int:
+        """The port of the node serving ``slot``, as the cluster says."""
+        with redis.Redis(port=self.servers[0].port, socket_timeout=1) as node:
+            for start, end, primary, *_ in node.execute_command("CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    return int(primary[1])
+        raise AssertionError(f"no node serves slot {slot}")
+
+    def stop(self) -> None:
         for server in self.servers:
             server.stop()
 
