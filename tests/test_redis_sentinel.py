@@ -1,4 +1,5 @@
-"""Redis Sentinel: the whole stack on ``redis+sentinel://``, its primary killed mid-load.
+"""Redis Sentinel: the whole stack on ``redis+sentinel://``, its primary killed mid-load;
+and the lean client's part on its own: a primary demoted to replica, sentinels gone.
 
 A primary, a replica and three sentinels (tests/redis_topologies.py); the API, an
 inference worker and a job worker pointed at the sentinels. Under a steady stream of
@@ -19,9 +20,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import redis
 
+from batching.redis_primary import PrimaryLocator
+from batching.redis_topology import parse_topology
+from batching.resp import Connection, open_link
 from tests.conftest import TEST_MODELS, Stack
 from tests.jobs_stack import add_job_worker, result, rows, submit, watch
+from tests.procs import RedisServer, free_port
 from tests.redis_topologies import SentinelSet
 
 BEFORE = 80
@@ -112,3 +118,56 @@ def test_the_stack_follows_a_failover_with_one_answer_per_request(
               f"answers during: {dict(statuses)}")
     finally:
         stack.stop()
+
+
+@pytest.fixture
+def demoted(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """Two servers: the first, once a primary, is made a replica of the second by the test."""
+    folders = [tmp_path / "old", tmp_path / "new"]
+    for folder in folders:
+        folder.mkdir()
+    old, new = (RedisServer(folder) for folder in folders)
+    yield old, new
+    old.stop()
+    new.stop()
+
+
+def test_a_demoted_primary_drops_the_lean_links_and_a_replica_is_refused(
+        demoted: tuple[RedisServer, RedisServer]) -> None:
+    old, new = demoted
+    address = parse_topology(old.url).node
+    link = Connection(address, 2.0)
+    assert link.execute([("SET", "k", "1")]) == [b"OK"]
+
+    async def open_async() -> bool:
+        primary = await open_link(address, primary=True)
+        primary.abort()
+        return True
+    assert asyncio.run(open_async())  # a primary: ROLE says master
+    with redis.Redis(port=old.port) as client:
+        client.replicaof("127.0.0.1", new.port)
+    with pytest.raises(ConnectionError, match="replica now"):
+        link.execute([("SET", "k", "2")])  # READONLY
+    assert link._sock is None  # closed: the next command reconnects (and asks again)
+
+    async def write_async() -> bool:
+        lean = await open_link(address)
+        with pytest.raises(ConnectionError, match="READONLY"):
+            await lean.execute(("SET", "k", "3"))
+        await asyncio.wait_for(lean.closed, 1)
+        return lean.open
+    assert asyncio.run(write_async()) is False
+    with pytest.raises(ConnectionError, match="no primary"):
+        asyncio.run(open_async())
+    located = Connection(address, 2.0, locate=lambda: address)
+    with pytest.raises(ConnectionError, match="no primary"):
+        located.execute([("GET", "k")])
+
+
+def test_no_sentinel_answering_is_a_connection_error_naming_each(tmp_path: Path) -> None:
+    url = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/mymaster/0"
+    locator = PrimaryLocator(parse_topology(url))
+    with pytest.raises(ConnectionError, match="no sentinel names the primary 'mymaster'"):
+        locator.address()
+    with pytest.raises(ConnectionError, match="no sentinel names the primary 'mymaster'"):
+        asyncio.run(locator.address_async())
