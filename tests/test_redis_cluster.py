@@ -157,6 +157,6 @@ def test_the_lean_client_follows_moved_and_ask(cluster: ClusterSet) -> None:
 def asked(node: redis.Redis, *command: object) -> object:
     """``command`` on a node importing its slot: after ``ASKING``, on the same connection."""
     pipe = node.pipeline(transaction=False)
-    pipe.execute_command("ASKING")
-    pipe.execute_command(*command)
+    pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
+    pipe.execute_command(*command)  # type: ignore[no-untyped-call]
     return pipe.execute()[1]
