@@ -21,7 +21,7 @@ import redis
 
 from batching.redis_links import blocking_link, link_opener
 from batching.redis_topology import async_redis, parse_topology
-from batching.resp_cluster import ClusterConnection, key_slot
+from batching.resp_cluster import ClusterConnection, ClusterLink, key_slot
 from tests.conftest import TEST_MODELS, Stack
 from tests.jobs_stack import add_job_worker, result, rows, submit, watch
 from tests.procs import RedisServer
@@ -74,7 +74,7 @@ def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_serve
         shutil.copytree(TEST_MODELS / "echo", repository / name)
         (repository / name / "model.py").write_text(RAISING_MODEL)
     stack = Stack(cluster.url, repository, logdir, extra_env={
-        "CONVEYOR_CELERY_BROKER_URL": redis_server.url})
+        "CONVEYOR_CELERY_BROKER_URL": redis_server.url, "CONVEYOR_API_WORKERS": "2"})
     try:
         url = stack.add_api()
         stack.add_worker()
@@ -113,14 +113,18 @@ def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_serve
 def test_the_lean_client_follows_moved_and_ask(cluster: ClusterSet) -> None:
     link = blocking_link(cluster.url, 2.0)
     assert isinstance(link, ClusterConnection)
-    key_a, key_b = "{moved-a}k", "{moved-b}k"
+    key_a, key_b = (f"{{{m}}}k" for m in one_model_per_node(cluster)[:2])
     link.execute([("SET", key_a, "1"), ("SET", key_b, "2")])
-    wrong = link.routes.slots[key_slot(key_a)]
-    other = link.routes.slots[key_slot(key_b)]
-    assert wrong is not None and other is not None
-    for slot in range(16384):  # a map gone stale: every slot on one node
-        link.routes.slots[slot] = wrong if link.routes.slots[slot] != wrong else other
-    assert link.execute([("GET", key_a), ("GET", key_b)]) == [b"1", b"2"]
+    node_a = link.routes.slots[key_slot(key_a)]
+    node_b = link.routes.slots[key_slot(key_b)]
+    assert node_a is not None and node_b is not None and node_a != node_b
+
+    def swapped(slot: int) -> tuple[str, int]:
+        """A stale map: key_a's slot on key_b's node and the other way round."""
+        return node_b if slot == key_slot(key_a) else node_a
+    for slot in range(16384):
+        link.routes.slots[slot] = swapped(slot)
+    assert link.execute([("GET", key_a), ("GET", key_b)]) == [b"1", b"2"]  # MOVED, twice
     link.close()
 
     key = "{asked}k"
@@ -142,11 +146,15 @@ def test_the_lean_client_follows_moved_and_ask(cluster: ClusterSet) -> None:
             async def through_the_api_link() -> list[object]:
                 client = async_redis(cluster.url)
                 api_link = await link_opener(cluster.url, client)()
-                got = await api_link.execute(("GET", key))  # type: ignore[attr-defined]
+                assert isinstance(api_link, ClusterLink)
+                got = await api_link.execute(("GET", key), ("GET", key_a), ("GET", key_b))
+                for slot in range(16384):  # stale again: MOVED, followed by the API's link
+                    api_link.routes.slots[slot] = swapped(slot)
+                got += await api_link.execute(("GET", key_a), ("GET", key_b))
                 api_link.abort()
                 await client.aclose()
                 return list(got)
-            assert asyncio.run(through_the_api_link()) == [b"there"]
+            assert asyncio.run(through_the_api_link()) == [b"there", b"1", b"2", b"1", b"2"]
         finally:
             asked(dst, "DEL", key)
             for node in (src, dst):
