@@ -153,8 +153,8 @@ class ClusterConnection:
                 for i, reply in zip(positions, got, strict=True):
                     replies[i] = self._follow(commands[i], reply)
                 left[0] -= 1
-                if left[0] == 0:
-                    self._done(replies, on_replies)
+                if left[0] == 0 and on_replies is not None:
+                    on_replies(replies)
             return take
         try:
             for node, positions in parts.items():
@@ -184,10 +184,6 @@ class ClusterConnection:
         for link in self._nodes.values():
             link.close()
         self._nodes.clear()
-
-    def _done(self, replies: list[Any], on_replies: ReplyHandler | None) -> None:
-        if on_replies is not None:
-            on_replies(replies)
 
     def _link(self, node: Node) -> Connection:
         link = self._nodes.get(node)
