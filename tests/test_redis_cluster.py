@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from batching.redis_links import blocking_link, link_opener
+from batching.redis_links import PipelineLink, blocking_link, link_opener
 from batching.redis_topology import async_redis, parse_topology
 from batching.resp_cluster import ClusterConnection, ClusterLink, key_slot
 from tests.conftest import TEST_MODELS, Stack
@@ -168,3 +168,25 @@ def asked(node: redis.Redis, *command: object) -> object:
     pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
     pipe.execute_command(*command)  # type: ignore[no-untyped-call]
     return pipe.execute()[1]
+
+
+def test_the_redis_py_hot_path_routes_by_slot_too(cluster: ClusterSet) -> None:
+    """``CONVEYOR_LEAN_REDIS=0``: the same commands on redis-py's cluster pipelines."""
+    key_a, key_b = (f"{{{m}}}py" for m in one_model_per_node(cluster)[:2])
+    link = blocking_link(cluster.url, 2.0, lean=False)
+    try:
+        replies = link.execute([("RPUSH", key_a, "1"), ("RPUSH", key_b, "2"),
+                                ("EVAL", "return redis.call('LLEN', KEYS[1])", 1, key_b)])
+        assert replies == [1, 1, 1]
+    finally:
+        link.close()
+
+    async def through_the_api_link() -> list[object]:
+        client = async_redis(cluster.url)
+        api_link = await link_opener(cluster.url, client, lean=False)()
+        assert isinstance(api_link, PipelineLink)
+        got = await api_link.execute(("LPOP", key_a), ("BLMPOP", 1, 1, key_b, "LEFT", "COUNT", 9))
+        api_link.abort()
+        await client.aclose()
+        return list(got)
+    assert asyncio.run(through_the_api_link()) == [b"1", [key_b.encode(), [b"2"]]]
