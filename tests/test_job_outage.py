@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -29,7 +31,7 @@ def test_chunks_in_flight_are_sent_again_after_redis_was_unreachable(
                        priority=1, chunk_rows=2, max_queue_rows=1000, created_at=time.time())
     client.set(keys.job_input(record.id),
                pack_tensors([Tensor.from_array("x", np.zeros((8, 4), np.float32))]))
-    client.hset(keys.job(record.id), mapping=record.to_hash())
+    client.hset(keys.job(record.id), mapping=cast(Mapping[Any, str], record.to_hash()))
     stop = threading.Event()
     runner = JobRunner(client, keys, Settings(redis_url=redis_server.url, job_max_in_flight=2),
                        record, lambda _done, _total: None, stop.is_set)
