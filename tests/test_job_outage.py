@@ -7,10 +7,12 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -23,8 +25,17 @@ from tests.procs import RedisServer, wait_for
 from workers.job_runner import JobRunner
 
 
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of this test's own: it drops every client's connection."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
 def test_chunks_in_flight_are_sent_again_after_redis_was_unreachable(
-        redis_server: RedisServer, keys: Keys) -> None:
+        own_redis: RedisServer, keys: Keys) -> None:
+    redis_server = own_redis
     client = redis.Redis.from_url(redis_server.url, socket_timeout=5,
                                   retry=Retry(NoBackoff(), 0))  # the first failure surfaces
     record = JobRecord(id=uuid.uuid4().hex, model="m", state=JobState.PENDING, total=8,
