@@ -35,8 +35,7 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 def test_chunks_in_flight_are_sent_again_after_redis_was_unreachable(
         own_redis: RedisServer, keys: Keys) -> None:
-    redis_server = own_redis
-    client = redis.Redis.from_url(redis_server.url, socket_timeout=5,
+    client = redis.Redis.from_url(own_redis.url, socket_timeout=5,
                                   retry=Retry(NoBackoff(), 0))  # the first failure surfaces
     record = JobRecord(id=uuid.uuid4().hex, model="m", state=JobState.PENDING, total=8,
                        priority=1, chunk_rows=2, max_queue_rows=1000, created_at=time.time())
@@ -44,14 +43,14 @@ def test_chunks_in_flight_are_sent_again_after_redis_was_unreachable(
                pack_tensors([Tensor.from_array("x", np.zeros((8, 4), np.float32))]))
     client.hset(keys.job(record.id), mapping=cast(Mapping[Any, str], record.to_hash()))
     stop = threading.Event()
-    runner = JobRunner(client, keys, Settings(redis_url=redis_server.url, job_max_in_flight=2),
+    runner = JobRunner(client, keys, Settings(redis_url=own_redis.url, job_max_in_flight=2),
                        record, lambda _done, _total: None, stop.is_set)
     assert runner.acquire()
     assert runner.start() is JobState.PENDING
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
     stream = keys.queue("m", 1)
-    with redis.Redis.from_url(redis_server.url) as watcher:
+    with redis.Redis.from_url(own_redis.url) as watcher:
         try:
             wait_for(lambda: watcher.xlen(stream) == 2, 10, "two chunks in flight")
             time.sleep(0.5)
