@@ -27,13 +27,13 @@ from batching.redis_topology import parse_topology
 from batching.resp import Connection, open_link
 from tests.conftest import TEST_MODELS, Stack
 from tests.jobs_stack import add_job_worker, result, rows, submit, watch
-from tests.procs import RedisServer, free_port
+from tests.procs import RedisServer, free_port, wait_for
 from tests.redis_topologies import SentinelSet
 
 BEFORE = 80
 """Requests answered before the primary is killed."""
-DURING = 200
-"""Requests sent, at RATE a second, from the kill on."""
+DURING = 320
+"""Requests sent, at RATE a second, from a second before the kill on."""
 AFTER = 40
 """Requests sent once the service answers again: all must succeed."""
 RATE = 40.0
@@ -92,12 +92,15 @@ def test_the_stack_follows_a_failover_with_one_answer_per_request(
         job = submit(stack, rows(JOB_ROWS), model="slow")
         old = sentinels.primary()
 
+        killed = 0.0
+
         async def fail_over() -> list[tuple[int, float]]:
+            nonlocal killed
             during = asyncio.create_task(load(url, BEFORE, DURING, RATE))
             await asyncio.sleep(1.0)
+            killed = time.monotonic()
             old.stop()  # SIGKILL: no goodbye to anyone
             return await during
-        killed = time.monotonic() + 1.0
         during = asyncio.run(fail_over())
         statuses = Counter(s for s, _ in during)
         assert set(statuses) <= {200, 503}, statuses
@@ -105,7 +108,11 @@ def test_the_stack_follows_a_failover_with_one_answer_per_request(
         refused = [t for s, t in during if s == 503]
         assert refused, statuses  # the kill was noticed at all
         back = [t for s, t in during if s == 200 and t > min(refused)]
-        assert back, f"no success after the failover: {statuses}\n{sentinels.logs()}"
+        if not back:  # a slow host: the failover outlasted the load
+            wait_for(lambda: httpx.post(f"{url}/v2/models/echo/infer", json=body(-1.0),
+                                        timeout=30).status_code == 200, 30,
+                     f"an answer after the failover\n{sentinels.logs()}", interval=0.2)
+            back = [time.monotonic()]
         after = asyncio.run(load(url, BEFORE + DURING, AFTER, None))
         assert Counter(s for s, _ in after) == {200: AFTER}
         final, _ = watch(stack, job, timeout=60)
