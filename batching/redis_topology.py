@@ -8,8 +8,8 @@ The forms (docs/configuration.md):
   for the primary of ``mymaster``; ``sentinel://`` is the same, and kombu's list
   ``sentinel://h1:26379;sentinel://h2:26379/db`` works with ``?master_name=mymaster``.
   The credentials are the data nodes'; ``sentinel_username`` and ``sentinel_password``
-  query options log in to the sentinels. ``rediss+sentinel://`` speaks TLS to the data
-  nodes, with the usual ``ssl_*`` options.
+  query options log in to the sentinels. ``rediss+sentinel://`` speaks TLS to the
+  sentinels and the data nodes alike, with the usual ``ssl_*`` options.
 * ``redis+cluster://[user:pass@]h1:7000,h2:7001``: a Redis Cluster, found from any of
   these seed nodes (``rediss+cluster://`` with TLS).
 
@@ -63,6 +63,14 @@ class Topology:
         """How to reach one sentinel: its own login, the data nodes' TLS options."""
         return replace(self.node, host=host, port=port, path=None, db=0,
                        username=self.sentinel_username, password=self.sentinel_password)
+
+    def sentinel_kwargs(self) -> dict[str, Any]:
+        """redis-py keywords for the sentinels: their own login, and TLS as the data nodes
+        speak it (``rediss+sentinel://``); what ``redis.sentinel.Sentinel`` and kombu's
+        ``sentinel_kwargs`` option take."""
+        login = {"username": self.sentinel_username, "password": self.sentinel_password}
+        return {**{k: v for k, v in login.items() if v is not None},
+                **_tls_kwargs(self.node)}
 
     def node_address(self, host: str, port: int) -> Address:
         """A data node at ``host:port`` with the data nodes' login, database and TLS."""
@@ -143,19 +151,20 @@ def _cluster(url: str, tls: bool) -> Topology:
     return Topology("cluster", node, tuple(hosts))
 
 
+def _tls_kwargs(node: Address) -> dict[str, Any]:
+    """redis-py's TLS keywords for a ``rediss`` address; none for a plain one."""
+    return {"ssl": True, **dict(node.tls_options)} if node.tls else {}
+
+
 def _node_kwargs(node: Address) -> dict[str, Any]:
-    """redis-py connection keywords for the data nodes: login, database, TLS."""
-    kwargs: dict[str, Any] = {"username": node.username, "password": node.password}
-    if node.tls:
-        kwargs.update(ssl=True, **dict(node.tls_options))
-    return kwargs
+    """redis-py connection keywords for the data nodes: login and TLS."""
+    return {"username": node.username, "password": node.password, **_tls_kwargs(node)}
 
 
 def _sentinel_kwargs(topology: Topology, kwargs: dict[str, Any]) -> dict[str, Any]:
     timeouts = {k: v for k, v in kwargs.items()
                 if k in ("socket_timeout", "socket_connect_timeout")}
-    login = {"username": topology.sentinel_username, "password": topology.sentinel_password}
-    return {**timeouts, **{k: v for k, v in login.items() if v is not None}}
+    return {**timeouts, **topology.sentinel_kwargs()}
 
 
 def sync_redis(url: str, **kwargs: Any) -> redis.Redis:

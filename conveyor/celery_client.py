@@ -58,7 +58,8 @@ def celery_url(redis_url: str) -> tuple[str, dict[str, Any]]:
     options it needs: a Unix socket (``unix:///path/redis.sock?db=N``) is kombu's
     ``redis+socket:///path?virtual_host=N``; a Sentinel URL is kombu's list
     ``sentinel://h1:26379/db;sentinel://h2:26379/db`` with the ``master_name`` option (and
-    ``sentinel_kwargs`` for the sentinels' own login); a plain one is theirs already."""
+    ``sentinel_kwargs`` for the sentinels' own login and TLS); a plain one is theirs
+    already."""
     topology = parse_topology(redis_url)
     node = topology.node
     if topology.kind == "cluster":
@@ -71,10 +72,8 @@ def celery_url(redis_url: str) -> tuple[str, dict[str, Any]]:
         url = ";".join(f"sentinel://{login}{_host(host)}:{port}/{node.db}"
                        for host, port in topology.hosts)
         options: dict[str, Any] = {"master_name": topology.service}
-        sentinel_login = {"username": topology.sentinel_username,
-                          "password": topology.sentinel_password}
-        if topology.sentinel_password is not None:
-            options["sentinel_kwargs"] = {k: v for k, v in sentinel_login.items() if v}
+        if topology.sentinel_kwargs():
+            options["sentinel_kwargs"] = topology.sentinel_kwargs()
         return url, options
     if not redis_url.startswith("unix:"):
         return redis_url, {}

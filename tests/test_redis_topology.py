@@ -8,7 +8,7 @@ import binascii
 import pytest
 
 from batching.keys import Keys
-from batching.redis_topology import parse_topology
+from batching.redis_topology import parse_topology, sync_redis
 from batching.resp import RespError
 from batching.resp_cluster import command_key, key_slot, redirect, slot_map
 from batching.urls import mask_url
@@ -115,3 +115,19 @@ def test_redirections_and_the_slot_map_are_read() -> None:
                       [5461, 16383, [b"10.0.0.2", 7001, b"id2"], [b"10.0.0.3", 7002, b"id3"]]])
     assert slots[0] == slots[5460] == ("10.0.0.1", 7000)
     assert slots[5461] == slots[16383] == ("10.0.0.2", 7001)
+
+
+def test_redis_py_clients_log_in_to_sentinels_and_nodes_each_their_own_way() -> None:
+    client = sync_redis("rediss+sentinel://:pw@s1:26379/mymaster/3"
+                        "?ssl_cert_reqs=none&sentinel_password=sp", socket_timeout=2)
+    pool = client.connection_pool
+    assert pool.connection_kwargs["password"] == "pw"
+    assert pool.connection_kwargs["db"] == 3
+    assert pool.connection_kwargs["ssl_cert_reqs"] == "none"
+    sentinel = pool.sentinel_manager.sentinels[0].connection_pool  # type: ignore[attr-defined]
+    assert sentinel.connection_kwargs["password"] == "sp"
+    assert sentinel.connection_kwargs["ssl_cert_reqs"] == "none"
+    assert sentinel.connection_kwargs["socket_timeout"] == 2
+    client.close()
+    plain = parse_topology("redis+sentinel://s1/mymaster?sentinel_password=sp")
+    assert plain.sentinel_kwargs() == {"password": "sp"}
