@@ -31,8 +31,9 @@ from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.keys import GROUP, Keys
 from batching.lua import script
-from batching.redis_links import AsyncLink, open_pipeline_link
-from batching.resp import Address, RespError, open_link
+from batching.redis_links import AsyncLink, link_opener
+from batching.redis_topology import async_redis
+from batching.resp import RespError
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,13 @@ class Dispatcher:
         self.api_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.reply_key = keys.reply(self.api_id)
         self._keys = keys
-        self._address = Address.from_url(redis_url)
-        self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=0.5,
-                                              socket_timeout=2.0)
+        self._redis = async_redis(redis_url, socket_connect_timeout=0.5, socket_timeout=2.0)
+        self._open = link_opener(redis_url, self._redis, lean)
         self._ids = itertools.count(1)
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
         self._entry_ids: dict[asyncio.Future[Reply], bytes | str] = {}
         """Stream entry ids of admitted requests still waiting: what a withdrawal names."""
         self._outbox: list[tuple[Admission, bytes, asyncio.Future[Reply]]] = []
-        self._lean = lean
         self._pop_command = ("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
                              REPLY_BATCH)
         self._pop_prepared: Any = None
@@ -263,11 +262,6 @@ class Dispatcher:
             self._drop_links()
             self._mark_down(ConnectionError("lost the connection"))
             self._fail_waiting(Unavailable("lost the connection to Redis"))
-
-    async def _open(self) -> AsyncLink[Any]:
-        if self._lean:
-            return await open_link(self._address)
-        return await open_pipeline_link(self._redis)
 
     def _drop_links(self) -> None:
         if self._stall is not None:

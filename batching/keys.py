@@ -34,8 +34,9 @@ class Keys:
         return f"{self.prefix}:{{{model}}}:rows"
 
     def reply(self, api_id: str) -> str:
-        """List of encoded replies for one API process."""
-        return f"{self.prefix}:reply:{api_id}"
+        """List of encoded replies for one API process; ``{api_id}`` is its hash tag (each
+        API process's list lives on its own slot of a cluster)."""
+        return f"{self.prefix}:reply:{{{api_id}}}"
 
     def dead_letter(self, model: str) -> str:
         return f"{self.prefix}:{{{model}}}:dlq"

@@ -12,8 +12,9 @@ saves (``python -m bench.lean_redis``). Either way the caller sees the same repl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import redis
@@ -22,16 +23,19 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
+from batching.redis_primary import PrimaryLocator
+from batching.redis_topology import parse_topology, sync_redis
 from batching.resp import (
-    Address,
     Command,
     Connection,
     LinkHandler,
     ReplyHandler,
     RespError,
     check,
+    open_link,
     resolver,
 )
+from batching.resp_cluster import ClusterConnection, SlotRoutes, open_cluster_link
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +76,36 @@ class AsyncLink(Protocol[P]):
 
 
 def blocking_link(url: str, timeout_s: float, lean: bool = True) -> BlockingLink:
-    """An inference process's hot-path connection to the Redis at ``url``."""
-    if lean:
-        return Connection(Address.from_url(url), timeout_s)
-    return PipelineConnection(url, timeout_s)
+    """An inference process's hot-path connection to the Redis at ``url`` (its primary,
+    under Sentinel; each command's node, in a cluster)."""
+    if not lean:
+        return PipelineConnection(url, timeout_s)
+    topology = parse_topology(url)
+    if topology.kind == "cluster":
+        return ClusterConnection(topology, timeout_s)
+    locator = PrimaryLocator(topology)
+    return Connection(locator.topology.node, timeout_s,
+                      locate=locator.address if locator.watched else None)
+
+
+LinkOpener = Callable[[], Awaitable[AsyncLink[Any]]]
+"""Opens a new hot-path link for the API's dispatcher (raises ``OSError``,
+:class:`RespError` or ``TimeoutError`` when it cannot)."""
+
+
+def link_opener(url: str, client: aioredis.Redis, lean: bool = True) -> LinkOpener:
+    """How the dispatcher opens its links to the Redis at ``url`` (its primary now, under
+    Sentinel): lean ones, or pipelines on ``client`` (redis.asyncio)."""
+    if not lean:
+        return functools.partial(open_pipeline_link, client)
+    topology = parse_topology(url)
+    if topology.kind == "cluster":
+        return functools.partial(open_cluster_link, topology, SlotRoutes(topology))
+    locator = PrimaryLocator(topology)
+
+    async def open_lean() -> AsyncLink[Any]:
+        return await open_link(await locator.address_async(), primary=locator.watched)
+    return open_lean
 
 
 def _reply(value: Any) -> Any:
@@ -95,9 +125,9 @@ class PipelineConnection:
     retry: a lost connection raises ``ConnectionError`` and the caller backs off."""
 
     def __init__(self, url: str, timeout_s: float, connect_timeout_s: float = 1.0) -> None:
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                           socket_connect_timeout=connect_timeout_s,
-                                           retry=Retry(NoBackoff(), 0))
+        self._redis = sync_redis(url, socket_timeout=timeout_s,
+                                 socket_connect_timeout=connect_timeout_s,
+                                 retry=Retry(NoBackoff(), 0))
 
     def execute(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
         replies = self._run(commands)

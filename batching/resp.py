@@ -155,9 +155,17 @@ class Address:
         return commands
 
 
-TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN")
-"""Error replies of a Redis that is starting or failing over: retried like a lost
-connection, not raised as a refusal."""
+TRANSIENT = ("LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+"""Error replies of a Redis that is starting or failing over (a cluster too): retried like
+a lost connection, not raised as a refusal."""
+DEMOTED = "READONLY"
+"""The error reply of a replica to a write: the node this link reached is no primary (any
+more, after a failover). The link is dropped as if lost, so its owner reconnects to the
+primary the sentinels name now."""
+
+
+def demoted(reply: Any) -> bool:
+    return isinstance(reply, RespError) and str(reply).startswith(DEMOTED)
 
 
 def check(reply: Any) -> Any:
@@ -177,8 +185,12 @@ class Connection:
     raise :class:`RespError`.
     """
 
-    def __init__(self, address: Address, timeout_s: float, connect_timeout_s: float = 1.0) -> None:
+    def __init__(self, address: Address, timeout_s: float, connect_timeout_s: float = 1.0,
+                 locate: Callable[[], Address] | None = None) -> None:
+        """``locate``: asked for the primary's address before each connection (Sentinel);
+        the connection then checks with ``ROLE`` that it reached a primary."""
         self.address = address
+        self.locate = locate
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._sock: socket.socket | None = None
@@ -198,16 +210,21 @@ class Connection:
         self._deferred.append((len(commands), on_replies))
 
     def execute(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
-        """Send ``commands`` in one write and return their replies, in order."""
+        """Send ``commands`` in one write and return their replies, in order; an error
+        reply raises."""
+        replies = self.exchange(commands, spin_s)
+        for reply in replies:
+            check(reply)
+        return replies
+
+    def exchange(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
+        """:meth:`execute`, error replies returned as :class:`RespError` values."""
         self.send(commands)
         count, _ = self._deferred.pop()
         self._drain()
         if spin_s > 0 and not self._reader.has_data():
             self._spin(spin_s)
-        replies = self._replies(count)
-        for reply in replies:
-            check(reply)
-        return replies
+        return self._replies(count)
 
     def call(self, *command: Arg) -> Any:
         return self.execute([command])[0]
@@ -259,11 +276,17 @@ class Connection:
             if isinstance(exc, OSError):
                 raise
             raise ConnectionError(f"bad reply from Redis: {exc}") from exc
+        if any(demoted(reply) for reply in replies):
+            self.close()
+            raise ConnectionError(f"Redis at {self.address.host}:{self.address.port} is a "
+                                  "replica now")
         return replies
 
     def _connected(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
+        if self.locate is not None:
+            self.address = self.locate()
         address = self.address
         sock: socket.socket
         if address.path is not None:
@@ -283,12 +306,17 @@ class Connection:
         self._poller.register(sock, select.POLLIN)
         self._deferred.clear()
         login = address.login()
+        if self.locate is not None:
+            login.append(("ROLE",))
         if login:
             try:
-                self.execute(login)
+                replies = self.execute(login)
             except RespError:
                 self.close()
                 raise
+            if self.locate is not None and not is_primary(replies[-1]):
+                self.close()
+                raise ConnectionError(f"Redis at {address.host}:{address.port} is no primary")
         return sock
 
 
@@ -315,6 +343,10 @@ class Link(asyncio.Protocol):
                 self.connection_lost(exc)
                 return
             if reply is False:
+                return
+            if demoted(reply):  # every later reply would say the same: reconnect
+                self.abort()
+                self.connection_lost(ConnectionError(str(reply)))
                 return
             self._handlers.popleft()(reply)
 
@@ -369,9 +401,15 @@ def resolver(future: asyncio.Future[Any]) -> LinkHandler:
     return resolve
 
 
-async def open_link(address: Address, timeout_s: float = 1.0) -> Link:
+def is_primary(role: Any) -> bool:
+    """Whether a ``ROLE`` reply is a primary's."""
+    return isinstance(role, list) and bool(role) and role[0] == b"master"
+
+
+async def open_link(address: Address, timeout_s: float = 1.0, primary: bool = False) -> Link:
     """Connect, log in (AUTH, SELECT), see Redis answer a ``PING`` and return the link;
-    raises ``OSError`` or :class:`RespError`.
+    raises ``OSError`` or :class:`RespError`. ``primary``: check with ``ROLE`` that the
+    node is a primary (one the sentinels named), else raise ``ConnectionError``.
 
     The ``PING`` matters under TLS 1.3: a Redis that refuses the client's certificate
     (or has none to ask for) drops the connection only after the handshake, so without
@@ -385,9 +423,14 @@ async def open_link(address: Address, timeout_s: float = 1.0) -> Link:
         connecting = loop.create_connection(Link, address.host, address.port,
                                             ssl=address.ssl_context())
     _, link = await asyncio.wait_for(connecting, timeout_s)
+    check_role: list[Command] = [("ROLE",)] if primary else []
     try:
-        await asyncio.wait_for(link.execute(*address.login(), ("PING",)), timeout_s)
+        replies = await asyncio.wait_for(
+            link.execute(*address.login(), ("PING",), *check_role), timeout_s)
     except (OSError, RespError, TimeoutError):
         link.abort()
         raise
+    if primary and not is_primary(replies[-1]):
+        link.abort()
+        raise ConnectionError(f"Redis at {address.host}:{address.port} is no primary")
     return link

@@ -14,6 +14,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """One server (``redis://``, ``rediss://``, ``unix://``), a Sentinel-watched primary
+    (``redis+sentinel://h1:26379,h2:26379/mymaster/0``) or a Cluster
+    (``redis+cluster://h1:7000,h2:7001``): batching.redis_topology."""
+    celery_broker_url: str = ""
+    """Celery's broker and result backend; empty: ``redis_url``. A plain or Sentinel URL;
+    Celery cannot use a Redis Cluster, so a cluster ``redis_url`` needs this set."""
     model_repository: Path = Path("./models")
     key_prefix: str = "cv"
     models: str = ""
@@ -114,6 +120,10 @@ class Settings(BaseSettings):
     callback_hosts: str = ""
     """Comma-separated host names or addresses job ``callback_url`` may name; loopback,
     link-local and private addresses are refused unless listed. Empty: no callbacks."""
+
+    def celery_broker(self) -> str:
+        """The URL Celery's broker and result backend are on."""
+        return self.celery_broker_url or self.redis_url
 
     def model_filter(self) -> set[str]:
         return {m.strip() for m in self.models.split(",") if m.strip()}

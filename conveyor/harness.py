@@ -168,9 +168,14 @@ def group_cpu_s(groups: Sequence[ProcessGroup],
     return totals
 
 
-def redis_argv(binary: str, port: int, workdir: Path | None = None) -> list[str]:
-    """redis-server on loopback without persistence (``--dir``: where it may write at all)."""
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+def redis_argv(binary: str, port: int, workdir: Path | None = None,
+               durable: bool = False) -> list[str]:
+    """redis-server on loopback (``--dir``: where it may write at all), without
+    persistence, or ``durable``: with an append-only file synced every second, so a
+    restart loses at most the last second of writes."""
+    appendonly = ["--appendonly", "yes", "--appendfsync", "everysec"] if durable else [
+        "--appendonly", "no"]
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *appendonly]
     return argv if workdir is None else [*argv, "--dir", str(workdir)]
 
 

@@ -23,11 +23,14 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from urllib.parse import urlparse
 
 from batching.exposure import is_loopback, unsafe_binding
+from batching.redis_topology import parse_topology
 from batching.settings import Settings
 from batching.urls import mask_url
+from conveyor.celery_client import celery_url
 from conveyor.harness import ProcessGroup, redis_answers, redis_argv, wait_until
 
 STOP_DEADLINE_S = 8.0
@@ -62,8 +65,16 @@ class StopRequest:
             signal.signal(sig, self)
 
 
-def start_redis(url: str) -> ProcessGroup:
-    """A redis-server on loopback, for a local ``url`` that nothing answers at."""
+def redis_data_folder(port: int) -> Path:
+    """Where the redis-server this command starts keeps its append-only file:
+    ``.run/redis-<port>/`` under the working directory."""
+    return Path(".run") / f"redis-{port}"
+
+
+def start_redis(url: str, data: Path | None = None) -> ProcessGroup:
+    """A redis-server on loopback, for a local ``url`` that nothing answers at, with an
+    append-only file synced every second in ``data`` (:func:`redis_data_folder` by
+    default): a restart loses at most the last second of requests and jobs."""
     parsed = urlparse(url)
     if not is_loopback(parsed.hostname or ""):
         sys.exit(f"nothing answers at {mask_url(url)}, and it is not local: "
@@ -71,7 +82,10 @@ def start_redis(url: str) -> ProcessGroup:
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("redis-server is not installed: apt-get install redis-server")
-    child = start("redis", redis_argv(binary, parsed.port or 6379))
+    port = parsed.port or 6379
+    folder = data if data is not None else redis_data_folder(port)
+    folder.mkdir(parents=True, exist_ok=True)
+    child = start("redis", redis_argv(binary, port, folder.resolve(), durable=True))
     try:
         wait_until(lambda: redis_answers(url), 10, "redis-server", interval=0.1, watch=[child])
     except (TimeoutError, ChildProcessError):
@@ -150,10 +164,15 @@ def run(host: str | None = None) -> int:
     if refusal is not None:
         print(f"conveyor run: {refusal}", file=sys.stderr)
         return 2
+    try:
+        celery_url(settings.celery_broker())
+    except ValueError as exc:
+        print(f"conveyor run: {exc}", file=sys.stderr)
+        return 2
     stop = StopRequest()
     stop.install()
     own_redis: list[ProcessGroup] = []
-    if redis_answers(settings.redis_url):
+    if parse_topology(settings.redis_url).kind != "single" or redis_answers(settings.redis_url):
         print(f"using Redis at {mask_url(settings.redis_url)}")
     else:
         own_redis.append(start_redis(settings.redis_url))

@@ -24,6 +24,7 @@ import redis
 
 from batching.keys import Keys
 from batching.names import model_folder
+from batching.redis_topology import sync_redis
 from batching.repository_scan import (
     as_text,
     parse_record,
@@ -49,7 +50,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = Settings()
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0,
+    client = sync_redis(settings.redis_url, socket_connect_timeout=2.0,
                                   socket_timeout=5.0)
     keys = Keys(settings.key_prefix)
     try:

@@ -6,6 +6,7 @@ import base64
 import json
 import ssl
 
+import pytest
 import redis
 
 from batching.job_record import JOB_QUEUE, JOB_TASK
@@ -59,3 +60,31 @@ def test_batch_events_use_the_same_tls_options() -> None:
     assert events.app.conf.broker_use_ssl["ssl_certfile"] == "/c.pem"
     plain = BatchEvents("digits", Settings(redis_url="redis://cache"))
     assert not plain.app.conf.broker_use_ssl
+
+
+def test_celery_gets_its_own_broker_url_when_one_is_set() -> None:
+    app = celery_app(Settings(redis_url="redis://data:6379/0",
+                              celery_broker_url="redis://broker:6380/1"))
+    assert app.conf.broker_url == "redis://broker:6380/1"
+    assert app.conf.result_backend == "redis://broker:6380/1"
+
+
+def test_a_sentinel_url_is_kombus_list_with_the_primary_named() -> None:
+    app = celery_app(Settings(
+        redis_url="redis+sentinel://:pw@s1:26379,s2:26380/mymaster/2?sentinel_password=sp",
+        key_prefix="blue"))
+    assert app.conf.broker_url == "sentinel://:pw@s1:26379/2;sentinel://:pw@s2:26380/2"
+    assert app.conf.result_backend == app.conf.broker_url
+    expected = {"global_keyprefix": "blue:celery:", "master_name": "mymaster",
+                "sentinel_kwargs": {"password": "sp"}}
+    assert app.conf.broker_transport_options == expected
+    assert app.conf.result_backend_transport_options == expected
+
+
+def test_a_cluster_broker_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match="CONVEYOR_CELERY_BROKER_URL") as refused:
+        celery_app(Settings(redis_url="redis+cluster://:secret@n1:7000,n2:7001"))
+    assert "secret" not in str(refused.value)
+    app = celery_app(Settings(redis_url="redis+cluster://n1:7000",
+                              celery_broker_url="redis://broker:6379/0"))
+    assert app.conf.broker_url == "redis://broker:6379/0"

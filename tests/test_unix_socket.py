@@ -14,11 +14,12 @@ from tests.procs import RedisServer
 
 
 def test_celery_reads_a_unix_socket_url_in_its_own_form() -> None:
-    assert celery_url("unix:///run/redis.sock?db=3") == "redis+socket:///run/redis.sock?virtual_host=3"
-    assert celery_url("unix:///run/redis.sock") == "redis+socket:///run/redis.sock?virtual_host=0"
-    assert (celery_url("unix://app:p%40ss@/run/redis.sock?db=1")
+    assert celery_url("unix:///run/redis.sock?db=3") == (
+        "redis+socket:///run/redis.sock?virtual_host=3", {})
+    assert celery_url("unix:///run/redis.sock")[0] == "redis+socket:///run/redis.sock?virtual_host=0"
+    assert (celery_url("unix://app:p%40ss@/run/redis.sock?db=1")[0]
             == "redis+socket://app:p%40ss@/run/redis.sock?virtual_host=1")
-    assert celery_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert celery_url("redis://127.0.0.1:6379/0") == ("redis://127.0.0.1:6379/0", {})
 
 
 def test_a_stack_serves_over_a_unix_socket(tmp_path: Path, logdir: Path) -> None:

@@ -29,6 +29,7 @@ from celery.worker.control import control_command
 
 from batching.keys import Keys
 from batching.redis_errors import REDIS_FAILED
+from batching.redis_topology import sync_redis
 from workers.supervisor import Supervisor
 
 KNOBS = ("max_queue_delay_us", "max_batch_size")
@@ -42,7 +43,7 @@ def attach(supervisor: Supervisor | None) -> None:
     """The bootstep tells us the supervisor it started (None when it stops)."""
     global _supervisor, _redis
     _supervisor = supervisor
-    _redis = None if supervisor is None else redis.Redis.from_url(
+    _redis = None if supervisor is None else sync_redis(
         supervisor.settings.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
 
 

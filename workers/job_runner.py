@@ -46,6 +46,7 @@ from batching.job_record import (
     unpack_tensors,
 )
 from batching.keys import GROUP, Keys
+from batching.lua import pipelined
 from batching.redis_errors import REDIS_UNREACHABLE
 from batching.settings import Settings
 
@@ -106,7 +107,6 @@ class JobRunner:
         self._reply_key = keys.job_replies(record.id)
         self._stream = keys.queue(record.model, record.priority)
         self._rows_key = keys.rows_waiting(record.model)
-        self._admit = client.register_script(ADMIT_LUA)
         self._withdraw = client.register_script(WITHDRAW_LUA)
         self._transition = client.register_script(TRANSITION_LUA)
         self._lease = client.register_script(LEASE_LUA)
@@ -165,6 +165,7 @@ class JobRunner:
                             exc, delay)
                 time.sleep(delay)
                 self._next_check = 0.0  # the lease may have lapsed meanwhile
+                self._resend_in_flight()
                 continue
             except JobFailed as exc:
                 self.error = str(exc)
@@ -217,8 +218,8 @@ class JobRunner:
         ttl = self.settings.job_result_ttl_s
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(self._job_key, "state")
-        self._lease(keys=[self.keys.job_lease(self.record.id)],
-                    args=[self.token, self._lease_ms, ""], client=pipe)
+        pipelined(pipe, LEASE_LUA, [self.keys.job_lease(self.record.id)],
+                  [self.token, self._lease_ms, ""])
         for key in (self._job_key, self.keys.job_input(self.record.id),
                     self.keys.job_chunks(self.record.id)):
             pipe.expire(key, ttl)
@@ -242,11 +243,18 @@ class JobRunner:
         return sum(b.get("state") == "ready" and now - float(b.get("ts", 0))
                    <= self.settings.heartbeat_stale_s for b in beats)
 
+    def _resend_in_flight(self) -> None:
+        """After Redis was unreachable, every chunk in flight is sent again as soon as it
+        answers: a failover to a replica, or a restart, may have lost its entry or its
+        reply. Whichever attempt answers first is kept (:meth:`_on_reply`)."""
+        for sent in self._sent.values():
+            sent.late_at = 0.0
+
     def _resend_lost(self, now: float) -> None:
         lost = [rid for rid, sent in self._sent.items() if now >= sent.late_at]
         for rid in lost:
             sent = self._sent.pop(rid)
-            log.warning("job %s: chunk %d unanswered past its deadline; sending it again",
+            log.warning("job %s: chunk %d given up for lost; sending it again",
                         self.record.id, sent.index)
             self._todo.appendleft(sent.index)
 
@@ -266,9 +274,8 @@ class JobRunner:
                               prio=self.record.priority, inputs=self.rows.chunk(index),
                               outputs=self.record.outputs)
             requests.append(request)
-            self._admit(keys=[self._rows_key, self._stream],
-                        args=[request.rows, self.record.max_queue_rows, request.encode()],
-                        client=pipe)
+            pipelined(pipe, ADMIT_LUA, [self._rows_key, self._stream],
+                      [request.rows, self.record.max_queue_rows, request.encode()])
         late_at = now + self.settings.job_chunk_timeout_s + LATE_GRACE_S
         rejected: list[int] = []
         for index, request, (waiting, entry_id) in zip(batch, requests, pipe.execute(),
@@ -387,12 +394,13 @@ class JobRunner:
         job_id = self.record.id
         ttl = self.settings.job_result_ttl_s
         pipe = self.client.pipeline(transaction=False)
-        pipe.delete(self.keys.job_input(job_id), self._reply_key)
+        pipe.delete(self.keys.job_input(job_id))
+        pipe.delete(self._reply_key)
         if keep_result:
             pipe.expire(self.keys.job_chunks(job_id), ttl)
         else:
             pipe.delete(self.keys.job_chunks(job_id))
         pipe.expire(self._job_key, ttl)
         pipe.srem(self.keys.jobs_active(), job_id)
-        self._lease(keys=[self.keys.job_lease(job_id)], args=[self.token, 0, ""], client=pipe)
+        pipelined(pipe, LEASE_LUA, [self.keys.job_lease(job_id)], [self.token, 0, ""])
         pipe.execute()

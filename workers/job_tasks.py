@@ -29,7 +29,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import orjson
-import redis
 from celery import Task, bootsteps, shared_task
 from celery.exceptions import Ignore
 from celery.signals import worker_shutting_down
@@ -47,6 +46,7 @@ from batching.job_record import (
 )
 from batching.keys import Keys
 from batching.redis_errors import REDIS_UNREACHABLE
+from batching.redis_topology import sync_redis
 from batching.repository_scan import as_text
 from batching.settings import Settings
 from batching.urls import mask_url
@@ -77,7 +77,7 @@ class JobContext:
     def __init__(self) -> None:
         self.settings = Settings()
         self.keys = Keys(self.settings.key_prefix)
-        self.redis = redis.Redis.from_url(self.settings.redis_url, socket_connect_timeout=1.0,
+        self.redis = sync_redis(self.settings.redis_url, socket_connect_timeout=1.0,
                                           socket_timeout=5.0, health_check_interval=30)
 
     def record(self, job_id: str) -> JobRecord | None:

@@ -20,6 +20,7 @@ from batching.keys import Keys
 from batching.lifetime import die_with_parent
 from batching.redis_errors import REDIS_UNREACHABLE
 from batching.redis_links import blocking_link
+from batching.redis_topology import sync_redis
 from batching.repository_scan import (
     artifact_folder,
     config_digest,
@@ -75,7 +76,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
     keys = Keys(settings.key_prefix)
     config = load_model_config(folder, override)
     consumer = consumer_name(model_name, device, index)
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
+    client = sync_redis(settings.redis_url, socket_connect_timeout=1.0,
                                   socket_timeout=BLOCK_MS / 1000 + 5, health_check_interval=30)
     heartbeat = Heartbeat(client, keys, model_name, consumer, device,
                           settings.heartbeat_interval_s, on_beat=shared.beat)

@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import redis
-
 from batching.backoff import Backoff
 from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.names import model_folder
 from batching.redis_errors import REDIS_FAILED
+from batching.redis_topology import sync_redis
 from batching.repository_scan import (
     as_text,
     failure_reason,
@@ -134,7 +133,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="conveyor-supervisor",
                                         daemon=True)
-        self._redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1.0,
+        self._redis = sync_redis(settings.redis_url, socket_connect_timeout=1.0,
                                            socket_timeout=2.0)
         self._next_beat = 0.0
 

@@ -24,8 +24,8 @@ import redis
 from batching.envelope import Reply
 from batching.errors import ModelNotFound
 from batching.keys import GROUP, Keys
+from batching.redis_links import blocking_link
 from batching.repository_scan import parse_record
-from batching.resp import Address, Connection
 from workers.streams import ModelStreams
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def turn_away(client: redis.Redis, redis_url: str, keys: Keys, model: str, level
     seconds, micros = client.time()
     cutoff_ms = int(seconds) * 1000 + int(micros) // 1000
     consumer = f"{socket.gethostname()}:{os.getpid()}:{model}:unloaded"
-    link = Connection(Address.from_url(redis_url), timeout_s=5.0)
+    link = blocking_link(redis_url, timeout_s=5.0)
     streams = ModelStreams(client, link, keys.queues(model, levels), keys.stats(model),
                            keys.rows_waiting(model), consumer, suspects_key=keys.suspects(model))
     error = ModelNotFound(f"model {model!r} was unloaded before this request ran")

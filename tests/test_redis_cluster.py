@@ -1,0 +1,192 @@
+"""Redis Cluster: three primaries (tests/redis_topologies.py), the stack on
+``redis+cluster://`` with Celery on a plain Redis of its own.
+
+Three models are placed so that their hash tags land on three different nodes: requests,
+a job and a model's failure each cross the slots of the cluster. The lean client's
+routing is tested on its own too: a stale slot map (``MOVED``) and a slot being migrated
+(``ASK``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from batching.redis_links import PipelineLink, blocking_link, link_opener
+from batching.redis_topology import async_redis, parse_topology
+from batching.resp_cluster import ClusterConnection, ClusterLink, key_slot
+from tests.conftest import TEST_MODELS, Stack
+from tests.jobs_stack import add_job_worker, result, rows, submit, watch
+from tests.procs import RedisServer
+from tests.redis_topologies import ClusterSet
+
+CANDIDATES = [f"m{i}" for i in range(100)]
+RAISING_MODEL = '''
+import numpy as np
+
+
+class Model:
+    def __init__(self, config, device):
+        pass
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        if (x[:, 0] < 0).any():
+            raise ValueError("negative rows are refused by this model")
+        return {"y": x * 2, "batch_rows": np.full((x.shape[0], 1), x.shape[0], np.int64)}
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSet]:
+    started = ClusterSet(tmp_path_factory.mktemp("cluster"))
+    yield started
+    started.stop()
+
+
+def one_model_per_node(cluster: ClusterSet) -> list[str]:
+    """A model name whose hash tag lands on each node, in the nodes' order."""
+    chosen: dict[int, str] = {}
+    for name in CANDIDATES:
+        chosen.setdefault(cluster.port_of_slot(key_slot(name)), name)
+    return [chosen[server.port] for server in cluster.servers]
+
+
+def body(value: float) -> dict[str, object]:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                        "data": [value, 1.0, 2.0, 3.0]}]}
+
+
+def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_server: RedisServer,
+                                               logdir: Path, tmp_path: Path) -> None:
+    models = one_model_per_node(cluster)
+    ports = {cluster.port_of_slot(key_slot(m)) for m in models}
+    assert len(ports) == 3, (models, ports)
+    repository = tmp_path / "models"
+    for name in models:
+        shutil.copytree(TEST_MODELS / "echo", repository / name)
+        (repository / name / "model.py").write_text(RAISING_MODEL)
+    stack = Stack(cluster.url, repository, logdir, extra_env={
+        "CONVEYOR_CELERY_BROKER_URL": redis_server.url, "CONVEYOR_API_WORKERS": "2"})
+    try:
+        url = stack.add_api()
+        stack.add_worker()
+        add_job_worker(stack)
+        stack.wait_ready()
+
+        async def load() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                return await asyncio.gather(*(
+                    client.post(f"{url}/v2/models/{models[i % 3]}/infer", json=body(i))
+                    for i in range(60)))
+        answers = asyncio.run(load())
+        for i, response in enumerate(answers):
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"][0] == i * 2
+        refused = httpx.post(f"{url}/v2/models/{models[1]}/infer", json=body(-1), timeout=30)
+        assert refused.status_code == 500
+        assert "negative rows are refused" in refused.json()["error"]
+        job = submit(stack, rows(40), model=models[2])
+        final, _ = watch(stack, job, timeout=60)
+        assert final["state"] == "SUCCEEDED", final
+        np.testing.assert_array_equal(result(stack, job)["y"], rows(40) * 2)
+        stats = httpx.get(f"{url}/v2/models/stats", timeout=10).json()["model_stats"]
+        counted = {s["name"]: s["inference_stats"]["success"]["count"] for s in stats}
+        assert all(counted[m] >= 20 for m in models), counted
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+        for node in cluster.servers:  # each node holds its model's stream
+            with redis.Redis(port=node.port) as client:
+                held = {k.decode().split("{")[1].split("}")[0]
+                        for k in client.keys(f"{stack.prefix}:*:q:*")}
+            assert held == {models[cluster.servers.index(node)]}, held
+    finally:
+        stack.stop()
+
+
+def test_the_lean_client_follows_moved_and_ask(cluster: ClusterSet) -> None:
+    link = blocking_link(cluster.url, 2.0)
+    assert isinstance(link, ClusterConnection)
+    key_a, key_b = (f"{{{m}}}k" for m in one_model_per_node(cluster)[:2])
+    link.execute([("SET", key_a, "1"), ("SET", key_b, "2")])
+    node_a = link.routes.slots[key_slot(key_a)]
+    node_b = link.routes.slots[key_slot(key_b)]
+    assert node_a is not None and node_b is not None and node_a != node_b
+
+    def swapped(slot: int) -> tuple[str, int]:
+        """A stale map: key_a's slot on key_b's node and the other way round."""
+        return node_b if slot == key_slot(key_a) else node_a
+    for slot in range(16384):
+        link.routes.slots[slot] = swapped(slot)
+    assert link.execute([("GET", key_a), ("GET", key_b)]) == [b"1", b"2"]  # MOVED, twice
+    link.close()
+
+    key = "{asked}k"
+    slot = key_slot(key)
+    source = cluster.port_of_slot(slot)
+    target = next(s.port for s in cluster.servers if s.port != source)
+    with redis.Redis(port=source) as src, redis.Redis(port=target) as dst:
+        source_id, target_id = src.cluster("MYID"), dst.cluster("MYID")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        try:
+            link = blocking_link(cluster.url, 2.0)
+            assert link.execute([("SET", key, "there")]) == [b"OK"]  # ASK, then ASKING
+            with pytest.raises(redis.exceptions.AskError):  # not on the source
+                src.execute_command("GET", key)
+            assert asked(dst, "GET", key) == b"there"
+            link.close()
+
+            async def through_the_api_link() -> list[object]:
+                client = async_redis(cluster.url)
+                api_link = await link_opener(cluster.url, client)()
+                assert isinstance(api_link, ClusterLink)
+                got = await api_link.execute(("GET", key), ("GET", key_a), ("GET", key_b))
+                for slot in range(16384):  # stale again: MOVED, followed by the API's link
+                    api_link.routes.slots[slot] = swapped(slot)
+                got += await api_link.execute(("GET", key_a), ("GET", key_b))
+                api_link.abort()
+                await client.aclose()
+                return list(got)
+            assert asyncio.run(through_the_api_link()) == [b"there", b"1", b"2", b"1", b"2"]
+        finally:
+            asked(dst, "DEL", key)
+            for node in (src, dst):
+                node.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+    assert parse_topology(cluster.url).kind == "cluster"
+
+
+def asked(node: redis.Redis, *command: object) -> object:
+    """``command`` on a node importing its slot: after ``ASKING``, on the same connection."""
+    pipe = node.pipeline(transaction=False)
+    pipe.execute_command("ASKING")  # type: ignore[no-untyped-call]
+    pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+    return pipe.execute()[1]
+
+
+def test_the_redis_py_hot_path_routes_by_slot_too(cluster: ClusterSet) -> None:
+    """``CONVEYOR_LEAN_REDIS=0``: the same commands on redis-py's cluster pipelines."""
+    key_a, key_b = (f"{{{m}}}py" for m in one_model_per_node(cluster)[:2])
+    link = blocking_link(cluster.url, 2.0, lean=False)
+    try:
+        replies = link.execute([("RPUSH", key_a, "1"), ("RPUSH", key_b, "2"),
+                                ("EVAL", "return redis.call('LLEN', KEYS[1])", 1, key_b)])
+        assert replies == [1, 1, 1]
+    finally:
+        link.close()
+
+    async def through_the_api_link() -> list[object]:
+        client = async_redis(cluster.url)
+        api_link = await link_opener(cluster.url, client, lean=False)()
+        assert isinstance(api_link, PipelineLink)
+        got = await api_link.execute(("LPOP", key_a), ("BLMPOP", 1, 1, key_b, "LEFT", "COUNT", 9))
+        api_link.abort()
+        await client.aclose()
+        return list(got)
+    assert asyncio.run(through_the_api_link()) == [b"1", [key_b.encode(), [b"2"]]]
