@@ -106,6 +106,15 @@ def test_the_lean_asyncio_link_presents_it_too(tls_redis: tuple[int, Path]) -> N
     assert asyncio.run(ping())[0] in (b"PONG", "PONG")
 
 
+async def queued(dispatcher: Dispatcher, stream: str) -> int:
+    """The stream's length; 0 when the dispatcher's client (0.5 s to connect) times out
+    handshaking on a busy host: the caller asks again."""
+    try:
+        return int(await dispatcher.redis.xlen(stream))
+    except redis.exceptions.TimeoutError:
+        return 0
+
+
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "redis-py"])
 def test_the_dispatcher_admits_and_pops_over_tls(tls_redis: tuple[int, Path], lean: bool) -> None:
     """Admission and reply pops, on either client, with the URL's client certificate.
@@ -128,7 +137,7 @@ def test_the_dispatcher_admits_and_pops_over_tls(tls_redis: tuple[int, Path], le
             sent = Request(dispatcher.new_id(), dispatcher.reply_key, 0, 0, 1, [x])
             admission = Admission(keys.queue("m", 1), keys.rows_waiting("m"), 1, 10)
             waiting = asyncio.ensure_future(dispatcher.submit(admission, sent, 5))
-            while not await dispatcher.redis.xlen(admission.stream):
+            while not await queued(dispatcher, admission.stream):
                 await asyncio.sleep(0.01)
             await dispatcher.redis.rpush(dispatcher.reply_key, Reply(sent.id).encode())
             assert (await waiting).id == sent.id
