@@ -23,8 +23,9 @@ asks while nothing runs):
 * ``t(n)`` is the whole path of a batch, not the model alone: the time from when the loop
   could start on it (the previous answer sent, or its last row read) to its answers sent,
   so reading, decoding, splitting and answering count as they do for the clients.
-* A waiting request whose deadline falls before ``t(n)`` from now cannot be answered in
-  time: it is answered at once with a deadline error instead of run late
+* A waiting request whose deadline falls before ``t(n)`` from now, plus a reserve of
+  ``shed_reserve × latency_target`` for the path outside the inference process, cannot be
+  answered in time: it is answered at once with a deadline error instead of run late
   (:meth:`AdaptivePolicy.shed_horizon_s`), so past capacity the device spends itself on
   requests that can still make it, and goodput stays near capacity.
 * ``max_batch_size`` and the learned ``row_cap`` bound every batch; with
@@ -158,6 +159,10 @@ class AdaptivePolicy:
     """Rows read this soon after a batch may have queued all through it."""
     trusted_after: int = 8
     """Batches the latency fit must have seen before it decides that a request is late."""
+    shed_reserve: float = 0.3
+    """Share of the latency target kept, when shedding, for the path outside the inference
+    process (the API's admission before, the reply and the network after): a request the
+    device answers just before its deadline reaches its client after it."""
     latency: LatencyModel = field(default_factory=LatencyModel)
     arrivals: ArrivalRate = field(default_factory=ArrivalRate)
     _last_end: float = -math.inf
@@ -229,17 +234,18 @@ class AdaptivePolicy:
         }
 
     def shed_horizon_s(self, rows: int) -> float:
-        """``t(rows)`` once the fit has seen enough batches to trust (else 0: shed nothing),
-        for at most the rows a batch may hold, and at most the rows that fit in the latency
-        target: where a full batch takes longer than the target, judging by it would shed
-        requests that a smaller batch still answers in time."""
+        """``t(rows)`` plus the reserve for the path outside, once the fit has seen enough
+        batches to trust (else 0: shed nothing), for at most the rows a batch may hold, and
+        at most the rows that fit in the latency target: where a full batch takes longer
+        than the target, judging by it would shed requests that a smaller batch still
+        answers in time."""
         if self.latency.samples < self.trusted_after:
             return 0.0
         a, b = self.latency.a, self.latency.b
         rows = min(rows, effective_cap(self.max_rows, self.row_cap))
         if b > 0.0:
             rows = min(rows, math.floor((self.latency_target_s - a) / b))
-        return self.latency.predict(max(1, rows))
+        return self.latency.predict(max(1, rows)) + self.shed_reserve * self.latency_target_s
 
     def _hidden_wait(self, first_seen: float) -> float:
         if abs(first_seen - self._last_end) <= self.read_lag_s:

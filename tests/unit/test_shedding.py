@@ -95,11 +95,14 @@ def test_nothing_is_shed_before_the_fit_is_trusted_nor_under_a_fixed_window() ->
         assert model.ran == [8] and streams.stats["shed_count"] == 0
 
 
-def test_the_horizon_is_the_fitted_time_of_the_batch_that_would_start() -> None:
-    policy = AdaptivePolicy(64, 0.02)
+def test_the_horizon_is_the_fitted_time_of_the_batch_that_would_start_plus_the_reserve() -> None:
+    policy = AdaptivePolicy(64, 0.02, latency_target_s=0.05)
     assert policy.shed_horizon_s(10) == 0.0
     for rows in (1, 8, 32, 64) * 4:
         policy.observe_batch(rows, 0.002 + 0.0005 * rows, 1.0)
+    # t(32) = 18 ms, and 30% of the 50 ms target kept for the API and the reply path.
+    assert abs(policy.shed_horizon_s(32) - 0.033) < 0.001
+    policy.shed_reserve = 0.0
     assert abs(policy.shed_horizon_s(32) - 0.018) < 0.001
     assert abs(policy.shed_horizon_s(500) - policy.shed_horizon_s(64)) < 1e-9
     assert FixedWindow(64, 0.005).shed_horizon_s(64) == 0.0
@@ -137,5 +140,6 @@ def test_where_a_full_batch_overruns_the_target_the_horizon_is_the_batch_that_fi
     policy = AdaptivePolicy(64, 0.02, latency_target_s=0.05)
     for rows in (1, 16, 32, 64) * 4:
         policy.observe_batch(rows, 0.012 + 0.0007 * rows, 1.0)
+    policy.shed_reserve = 0.0
     fits = policy.shed_horizon_s(64)
     assert fits <= 0.05 and abs(fits - (0.012 + 0.0007 * 54)) < 0.001
