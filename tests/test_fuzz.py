@@ -27,8 +27,8 @@ pytestmark = pytest.mark.fuzz
 
 SECONDS = float(os.environ.get("CONVEYOR_FUZZ_SECONDS", "20"))
 FIGURES = "CONVEYOR_FUZZ_SECONDS" in os.environ
-"""The figures run holds every good request to 100 ms; in CI, on a host shared with the
-rest of the suite, the slowest may take 500 ms (p99 is held to 100 ms either way)."""
+"""The figures run holds every good request to 100 ms; in CI, on a 2-core host shared with
+the rest of the suite, the slowest may take 500 ms and the p99 250 ms."""
 KEY = "fuzz-admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -77,6 +77,7 @@ def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stac
          "--grpc", f"127.0.0.1:{fuzz_stack.env['CONVEYOR_GRPC_PORT']}", "--pid", str(api.pid),
          "--seconds", str(SECONDS), "--seed", "1", "--key", KEY, "--hang-s", "10",
          "--canary-max-ms", "100" if FIGURES else "500",
+         "--canary-p99-ms", "100" if FIGURES else "250",
          "--out", str(report)],
         capture_output=True, text=True, timeout=SECONDS + 120)
     print(run.stdout[-4000:])
