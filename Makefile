@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test test-unit test-gpu check chaos fuzz bench deps clean
+.PHONY: run test test-unit test-gpu test-multihost check chaos fuzz bench deps clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v redis-server >/dev/null || $(MAKE) deps
@@ -28,6 +28,9 @@ test-unit: $(VENV)/.installed  ## the in-process tests only: no redis-server, AP
 
 test-gpu: $(VENV)/.installed  ## the GPU tests (tests/gpu/); they skip without a CUDA device
 	$(PY) -m pytest -n 0 -m gpu tests/gpu $(PYTEST_ARGS)
+
+test-multihost: $(VENV)/.installed  ## tests/multihost at 10x its CI size (needs root: network namespaces); figures in multihost-report.json
+	CONVEYOR_MULTIHOST_SCALE=10 CONVEYOR_MULTIHOST_REPORT=multihost-report.json $(PY) -m pytest -n 0 -m multihost -s tests/multihost $(PYTEST_ARGS)
 
 chaos: $(VENV)/.installed  ## the chaos suite at a larger size; figures go to chaos-report.jsonl
 	CONVEYOR_CHAOS_SCALE=5 CONVEYOR_CHAOS_REPORT=chaos-report.jsonl $(PY) -m pytest -m chaos -s tests/test_chaos.py
