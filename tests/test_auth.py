@@ -180,22 +180,31 @@ async def _echo_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIte
 
 async def raw_calls(target: str, calls: list[tuple[str, str, str | None]]) -> list[Any]:
     """Each (kind, method, key) call's answer, or its status code; raw bytes both ways."""
-    outcomes: list[Any] = []
     async with grpc.aio.insecure_channel(target) as channel:
-        for kind, method, key in calls:
-            metadata = (("authorization", key),) if key else ()
-            path = f"/{SERVICE}/{method}"
-            try:
-                if kind == "unary":
-                    outcomes.append(await channel.unary_unary(path)(b"", metadata=metadata))
-                else:
-                    async def one() -> AsyncIterator[bytes]:
-                        yield b""
-                    outcomes.append([r async for r in channel.stream_stream(path)(
-                        one(), metadata=metadata)])
-            except grpc.aio.AioRpcError as exc:
-                outcomes.append(exc.code())
-    return outcomes
+        return [await _raw_call(channel, *call) for call in calls]
+
+
+async def _raw_call(channel: grpc.aio.Channel, kind: str, method: str, key: str | None) -> Any:
+    """One call's answer or status code. A stream refused at once races grpc.aio's own
+    write of its first message: when that write loses, the client library reports its
+    failed send as INTERNAL ("execute_batch") in place of the server's status, so the
+    call is made again (the server never answers INTERNAL here)."""
+    metadata = (("authorization", key),) if key else ()
+    path = f"/{SERVICE}/{method}"
+    for _ in range(5):
+        try:
+            if kind == "unary":
+                return await channel.unary_unary(path)(b"", metadata=metadata)
+
+            async def one() -> AsyncIterator[bytes]:
+                yield b""
+            return [r async for r in channel.stream_stream(path)(one(), metadata=metadata)]
+        except grpc.aio.AioRpcError as exc:
+            lost_to_the_client = (exc.code() == grpc.StatusCode.INTERNAL
+                                  and "execute_batch" in (exc.details() or ""))
+            if not lost_to_the_client:
+                return exc.code()
+    return grpc.StatusCode.INTERNAL
 
 
 CALLS: list[tuple[str, str, str | None]] = [
