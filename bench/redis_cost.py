@@ -1,6 +1,7 @@
 """What one inference request costs Redis: commands, bytes in and out, and server CPU.
 
-Usage: python -m bench.redis_cost [--duration S] [--concurrency C] [--out bench/RESULTS-redis.md]
+Usage: python -m bench.redis_cost [--duration S] [--concurrency C] [--io-threads N [N...]]
+                                  [--out bench/RESULTS-redis.md]
 
 Serves two ONNX models through conveyor (``python -m api.serve`` with one API process, a
 Celery worker, an own redis-server): mlp_tiny (64 FP32 in, 10 out: a 256-byte tensor) and
@@ -8,14 +9,21 @@ Celery worker, an own redis-server): mlp_tiny (64 FP32 in, 10 out: a 256-byte te
 channel means out. Each is loaded with the binary tensor extension (wrk, closed loop); Redis's
 own counters (``INFO commandstats``, ``total_net_input_bytes`` / ``total_net_output_bytes``,
 ``used_cpu_sys`` + ``used_cpu_user``), reset before and read after, are divided by the
-requests answered. From the CPU per request: the request rate at which one Redis core
-(the main thread, which runs every command) would be saturated.
+requests answered. From the main thread's CPU per request (``used_cpu_*_main_thread``): the
+request rate at which one Redis core (the main thread, which runs every command) would be
+saturated. Of that CPU, the part spent executing commands is ``INFO commandstats``' time
+of the commands sent (a script's time includes the commands it calls, which are counted
+once); the rest is reading, parsing and writing. ``--io-threads 1 2`` measures each model
+with Redis's own default and again with two I/O threads that also read
+(``io-threads-do-reads yes``), counting the reads and writes they took
+(``io_threaded_reads_processed``, ``io_threaded_writes_processed``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,6 +49,10 @@ from conveyor.harness import ProcessGroup, RedisServer, free_port, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = (224, 224, 3)
 COMMAND = "python -m bench.redis_cost"
+SCRIPTED = frozenset(
+    name.lower() for lua in (ROOT / "batching" / "lua").glob("*.lua")
+    for name in re.findall(r"redis\.p?call\('(\w+)'", lua.read_text()))
+"""Commands the Lua scripts call: commandstats counts them apart and in the script's time."""
 
 
 class ImageMean(nn.Module):
@@ -71,26 +83,37 @@ def write_repository(root: Path) -> dict[str, Input]:
 class Cost:
     model: str
     request_bytes: int
+    io_threads: int
     requests: int
     commands: dict[str, float]
     """calls per request, by command"""
     bytes_in: float
     bytes_out: float
     cpu_us: float
+    main_us: float
+    """the main thread's share of ``cpu_us``"""
+    exec_us: float
+    """the time of the commands themselves"""
+    threaded: float
+    """reads and writes done by I/O threads, per request"""
 
 
-def snapshot(client: redis.Redis) -> tuple[float, int, int]:
+def snapshot(client: redis.Redis) -> tuple[float, float, int, int, int]:
     info = client.info()
     return (float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
-            int(info["total_net_input_bytes"]), int(info["total_net_output_bytes"]))
+            float(info["used_cpu_sys_main_thread"]) + float(info["used_cpu_user_main_thread"]),
+            int(info["total_net_input_bytes"]), int(info["total_net_output_bytes"]),
+            int(info["io_threaded_reads_processed"]) + int(info["io_threaded_writes_processed"]))
 
 
-def measure(model: str, tensor: Input, args: argparse.Namespace, work: Path) -> Cost:
+def measure(model: str, tensor: Input, io_threads: int, args: argparse.Namespace,
+            work: Path) -> Cost:
     """One stack serving ``model``; the Redis counters over a measured wrk run."""
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
     with ExitStack() as stack:
-        server = stack.enter_context(RedisServer(work))
+        threads = ["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"]
+        server = stack.enter_context(RedisServer(work, *(threads if io_threads > 1 else [])))
         env = {**os.environ, "CONVEYOR_REDIS_URL": server.url, "CONVEYOR_MODELS": model,
                "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_API_WORKERS": "1",
                "CONVEYOR_HTTP_PORT": str(api_port), "CONVEYOR_GRPC_PORT": str(free_port()),
@@ -107,20 +130,24 @@ def measure(model: str, tensor: Input, args: argparse.Namespace, work: Path) -> 
         client = redis.Redis.from_url(server.url)
         try:
             client.config_resetstat()
-            cpu0, in0, out0 = snapshot(client)
+            cpu0, main0, in0, out0, threaded0 = snapshot(client)
             result = run_wrk(target, body, args.concurrency, args.duration, work)
-            cpu1, in1, out1 = snapshot(client)
+            cpu1, main1, in1, out1, threaded1 = snapshot(client)
             stats = client.info("commandstats")
         finally:
             client.close()
     if result.errors:
         raise RuntimeError(f"{model}: {result.errors} requests failed")
     n = result.requests
+    for own in ("cmdstat_info", "cmdstat_config|resetstat"):  # the measurement's own
+        stats.pop(own, None)
     commands = {name.removeprefix("cmdstat_"): int(v["calls"]) / n for name, v in stats.items()}
-    commands.pop("info", None)  # the measurement's own
-    commands.pop("config|resetstat", None)
-    return Cost(model, len(body.content), n, dict(sorted(commands.items(), key=lambda kv: -kv[1])),
-                (in1 - in0) / n, (out1 - out0) / n, (cpu1 - cpu0) * 1e6 / n)
+    sent_us = sum(int(v["usec"]) for name, v in stats.items()
+                  if name.removeprefix("cmdstat_") not in SCRIPTED)
+    return Cost(model, len(body.content), io_threads, n,
+                dict(sorted(commands.items(), key=lambda kv: -kv[1])), (in1 - in0) / n,
+                (out1 - out0) / n, (cpu1 - cpu0) * 1e6 / n, (main1 - main0) * 1e6 / n, sent_us / n,
+                (threaded1 - threaded0) / n)
 
 
 @contextmanager
@@ -139,10 +166,11 @@ def running(groups: list[ProcessGroup], ready_url: str) -> Iterator[None]:
             group.stop(20)
 
 
-def report(costs: list[Cost], args: argparse.Namespace, started: datetime) -> str:
+def report(costs: list[Cost], args: argparse.Namespace, started: datetime, load: float) -> str:
     lines = [
         "# What one request costs Redis", "",
-        f"- date: {started:%Y-%m-%d %H:%M} UTC; machine: {os.cpu_count()} CPUs; Redis "
+        f"- date: {started:%Y-%m-%d %H:%M} UTC; machine: {os.cpu_count()} CPUs, load average "
+        f"{load:.1f} at the start (other work on the machine inflates the CPU figures); Redis "
         f"{redis_version()}",
         f"- command: `{' '.join([COMMAND, *sys.argv[1:]])}`",
         f"- load: wrk, binary tensor extension, one row per request, c={args.concurrency}, "
@@ -150,18 +178,23 @@ def report(costs: list[Cost], args: argparse.Namespace, started: datetime) -> st
         "process, conveyor's defaults",
         "- per request: Redis's own counters over the run divided by the requests answered; "
         "bytes in/out are what Redis read from and wrote to all its clients; CPU is the "
-        "server's user+system time (main thread and its I/O)",
-        "- one-core bound: 1 s / CPU per request, the rate at which Redis's main thread, which "
-        "runs every command, would be busy all the time", "",
-        "| model | request bytes | requests | commands / request | bytes in / request | "
-        "bytes out / request | Redis CPU µs / request | one-core bound, req/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "server's user+system time, all threads, and the main thread's part of it; executing "
+        "is the commands' own time (`INFO commandstats`: the commands sent, a script with what "
+        "it calls), the rest of the main thread's time is reading, parsing and writing; "
+        "threaded I/O: the reads and writes the I/O threads took",
+        "- one-core bound: 1 s / main-thread CPU per request, the rate at which Redis's main "
+        "thread, which runs every command, would be busy all the time", "",
+        "| model | request bytes | io-threads | requests | commands / request | bytes in / request | "
+        "bytes out / request | Redis CPU µs / request | main thread µs | executing µs | "
+        "threaded I/O / request | one-core bound, req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in costs:
         detail = ", ".join(f"{name} {calls:.2f}" for name, calls in c.commands.items() if calls >= 0.01)
-        lines.append(f"| {c.model} | {c.request_bytes:,} | {c.requests:,} | {sum(c.commands.values()):.2f} "
-                     f"({detail}) | {c.bytes_in:,.0f} | {c.bytes_out:,.0f} | {c.cpu_us:.1f} | "
-                     f"{1e6 / c.cpu_us:,.0f} |")
+        lines.append(f"| {c.model} | {c.request_bytes:,} | {c.io_threads} | {c.requests:,} | "
+                     f"{sum(c.commands.values()):.2f} ({detail}) | {c.bytes_in:,.0f} | "
+                     f"{c.bytes_out:,.0f} | {c.cpu_us:.1f} | {c.main_us:.1f} | {c.exec_us:.1f} | "
+                     f"{c.threaded:.2f} | {1e6 / c.main_us:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,17 +208,20 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--io-threads", type=int, nargs="+", default=[1],
+                        help="Redis io-threads to measure with (above 1: reads threaded too)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS-redis.md")
     args = parser.parse_args()
-    started = datetime.now(UTC)
+    started, load = datetime.now(UTC), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="conveyor-redis-cost-") as tmp:
         work = Path(tmp)
         tensors = write_repository(work / "repo")
         costs = []
         for model, tensor in tensors.items():
-            costs.append(measure(model, tensor, args, work))
-            time.sleep(1)
-    args.out.write_text(report(costs, args, started))
+            for io_threads in args.io_threads:
+                costs.append(measure(model, tensor, io_threads, args, work))
+                time.sleep(1)
+    args.out.write_text(report(costs, args, started, load))
     print(args.out.read_text())
 
 
