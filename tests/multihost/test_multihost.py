@@ -84,10 +84,9 @@ def start_load(services: Services, client: Host, urls: list[str], workdir: Path)
 
 @dataclass
 class Run:
-    """The hosts and processes of one run, and waits that fail as soon as one of the
-    processes expected to live has exited."""
+    """The processes of one run, and waits that fail as soon as one of the processes
+    expected to live has exited."""
 
-    network: Network
     services: Services
     answers: Answers
     alive: list[Proc] = field(default_factory=list)
@@ -120,7 +119,7 @@ def worker_share(run: Run, workers: list[Proc], since: float) -> float:
 def test_hosts_fail_and_join_under_load_with_one_answer_per_request(
         network: Network, services: Services, tmp_path: Path) -> None:
     hosts = {name: network.add(name) for name in ("redis", "api1", "api2", "w1", "w2", "w3", "client")}
-    run = Run(network, services, Answers(tmp_path / "answers.jsonl"))
+    run = Run(services, Answers(tmp_path / "answers.jsonl"))
     run.alive.append(services.start_redis(hosts["redis"]))
     apis = [services.start_api(hosts[name]) for name in ("api1", "api2")]
     workers = [services.start_worker(hosts[name]) for name in ("w1", "w2", "w3")]
