@@ -103,11 +103,9 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again (p99, docs/data-path.md section 7)
         gc.set_threshold(*GC_THRESHOLDS)
-        service.lag.start()  # after the start-up work above, which holds the loop
         yield
         if grpc_endpoint is not None:
             await grpc_endpoint.close()
-        service.lag.stop()
         await repository.close()
         await memory.close()
         await shm.close()

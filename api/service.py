@@ -13,7 +13,6 @@ from api.dispatch import Admission
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.kserve import InferRequest
-from api.loop_lag import LoopLag
 from api.metrics import ApiMetrics
 from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
@@ -48,9 +47,6 @@ class InferenceService:
     """Model folders whose configuration failed, with the reason (api.repository_control too)."""
     shm: SharedMemory | None = None
     """System shared memory regions; None: a tensor that names one finds none."""
-    lag: LoopLag = field(default_factory=LoopLag)
-    """How late this process's event loop runs (started with the app): taken off the
-    deadline the inference process sees, for the waits before and after it."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
@@ -110,7 +106,7 @@ class InferenceService:
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,
-                deadline_ms=now_ms + int(timeout_ms) - self.lag.reserve_ms(timeout_ms),
+                deadline_ms=now_ms + int(timeout_ms),
                 enq_ms=now_ms,
                 prio=priority,
                 inputs=parsed.inputs,

@@ -24,8 +24,8 @@ asks while nothing runs):
   could start on it (the previous answer sent, or its last row read) to its answers sent,
   so reading, decoding, splitting and answering count as they do for the clients.
 * A waiting request whose deadline falls before ``t(n)`` from now, plus a reserve of
-  ``shed_reserve × latency_target`` for the way back to its client, cannot be answered in
-  time: it is answered at once with a deadline error instead of run late
+  ``shed_reserve × latency_target`` for the path outside the inference process, cannot be
+  answered in time: it is answered at once with a deadline error instead of run late
   (:meth:`AdaptivePolicy.shed_horizon_s`), so past capacity the device spends itself on
   requests that can still make it, and goodput stays near capacity.
 * ``max_batch_size`` and the learned ``row_cap`` bound every batch; with
@@ -160,10 +160,9 @@ class AdaptivePolicy:
     trusted_after: int = 8
     """Batches the latency fit must have seen before it decides that a request is late."""
     shed_reserve: float = 0.3
-    """Share of the latency target kept, when shedding, for the way back (the reply through
-    Redis to the API and on to its client): a request the device answers just before its
-    deadline reaches its client after it. The API's own waits, which grow past capacity,
-    it takes off the deadline itself (api/loop_lag.py)."""
+    """Share of the latency target kept, when shedding, for the path outside the inference
+    process (the API's admission before, the reply and the network after): a request the
+    device answers just before its deadline reaches its client after it."""
     latency: LatencyModel = field(default_factory=LatencyModel)
     arrivals: ArrivalRate = field(default_factory=ArrivalRate)
     _last_end: float = -math.inf

@@ -100,7 +100,7 @@ def test_the_horizon_is_the_fitted_time_of_the_batch_that_would_start_plus_the_r
     assert policy.shed_horizon_s(10) == 0.0
     for rows in (1, 8, 32, 64) * 4:
         policy.observe_batch(rows, 0.002 + 0.0005 * rows, 1.0)
-    # t(32) = 18 ms, and 30% of the 50 ms target kept for the way back.
+    # t(32) = 18 ms, and 30% of the 50 ms target kept for the API and the reply path.
     assert abs(policy.shed_horizon_s(32) - 0.033) < 0.001
     policy.shed_reserve = 0.0
     assert abs(policy.shed_horizon_s(32) - 0.018) < 0.001
