@@ -146,8 +146,13 @@ class InferenceLoop:
         """How long the last batch took in the model thread."""
         self.batches = 0
         self.rows = 0
-        self._backlog = False
-        """The last read took all the rows there was room for: more is likely waiting."""
+        self._backlog_since: float | None = None
+        """Since when every read took all the rows there was room for (None: the last one
+        did not): more is waiting. Past capacity once it has lasted ``_sustained_s``."""
+        self._sustained_s = config.batching.latency_target_ms / 1000.0
+        """A backlog shorter than the latency target is a burst the queue absorbs (its
+        requests wait, and still make it); one that lasts it is more than this process
+        serves."""
         self._last_answered = 0.0
         """When the last batch's answers were sent (time.time())."""
         self._cpu_mark = time.thread_time()
@@ -219,7 +224,10 @@ class InferenceLoop:
                 # processes feeding it.
                 poll, self._lone = self._lone, False
                 fresh = self.streams.read(room, block, poll=poll)
-                self._backlog = len(fresh) >= room
+                if len(fresh) < room:
+                    self._backlog_since = None
+                elif self._backlog_since is None:
+                    self._backlog_since = now
                 self._arrived(fresh)
                 room = bound - self.former.pending_rows
             now = time.time()
@@ -246,13 +254,15 @@ class InferenceLoop:
 
     def _answer_expired(self, now: float) -> None:
         """Answer, without running them, the entries whose deadline has passed, and, while
-        more waits than this process can hold (past capacity), those the policy says a batch
-        started now could not answer in time. Below capacity nothing is shed on a forecast:
-        a noisy fit would cost requests that make it."""
+        more has waited than this process can hold for as long as the latency target (past
+        capacity), those the policy says a batch started now could not answer in time.
+        Below capacity, and in a burst, nothing is shed on a forecast: a noisy fit would
+        cost requests that make it."""
         expired = self.former.take_expired(now)
         if expired:
             self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
-        if not (len(self.former) and self._backlog):
+        since = self._backlog_since
+        if not len(self.former) or since is None or now - since < self._sustained_s:
             return
         horizon = self.policy.shed_horizon_s(min(self.former.pending_rows, self.row_cap.cap))
         if horizon <= 0.0:

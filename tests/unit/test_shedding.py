@@ -35,11 +35,12 @@ class Echo:
         return {"y": inputs["x"]}
 
 
-def make_loop(adaptive: bool) -> tuple[InferenceLoop, MemoryStreams, Echo]:
+def make_loop(adaptive: bool, target_ms: float = 50.0) -> tuple[InferenceLoop, MemoryStreams, Echo]:
     config = ModelConfig(
         "m", "python", 8, inputs=(TensorSpec("x", "FP32", (-1, 2)),),
         outputs=(TensorSpec("y", "FP32", (-1, 2)),),
-        batching=BatchingConfig(max_queue_delay_us=0, adaptive=adaptive))
+        batching=BatchingConfig(max_queue_delay_us=0, adaptive=adaptive,
+                                latency_target_ms=target_ms))
     streams = MemoryStreams(KEYS.queues("m", config.queue.priority_levels))
     model = Echo()
     loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),
@@ -59,18 +60,34 @@ def teach(loop: InferenceLoop, seconds: float, batches: int = 12) -> None:
 
 
 def test_past_capacity_the_adaptive_policy_answers_at_once_what_a_batch_cannot_finish_in_time() -> None:
-    loop, streams, model = make_loop(adaptive=True)
+    loop, streams, model = make_loop(adaptive=True, target_ms=20.0)
     teach(loop, 0.5)
+    for _ in range(9):  # more than the 8 rows the process holds: a backlog begins
+        streams.put(request(60.0))
+    loop.step()
+    time.sleep(0.03)  # and outlasts the 20 ms latency target
     hopeless, fine = request(0.2), [request(60.0) for _ in range(8)]
-    for each in (hopeless, *fine):  # more than the 8 rows the process holds: a backlog
+    for each in (hopeless, *fine):
         streams.put(each)
     loop.step()
     got = {r.id: r for r in streams.replies(REPLY)}
     assert got[hopeless.id].error_code == "deadline_exceeded"
     assert "before its deadline" in got[hopeless.id].error
-    assert all(got[each.id].ok for each in fine[:7])
-    assert model.ran == [7]
+    assert all(got[each.id].ok for each in fine[:6])
+    assert model.ran == [8, 7]
     assert streams.stats["shed_count"] == 1
+
+
+def test_a_burst_shorter_than_the_latency_target_sheds_nothing() -> None:
+    loop, streams, model = make_loop(adaptive=True)
+    teach(loop, 0.5)
+    soon, fine = request(0.2), [request(60.0) for _ in range(8)]  # a forecast says "late"
+    for each in (soon, *fine):  # a backlog, but one that has only begun
+        streams.put(each)
+    loop.step()
+    got = {r.id: r for r in streams.replies(REPLY)}
+    assert got[soon.id].ok and model.ran == [8]
+    assert streams.stats["shed_count"] == 0
 
 
 def test_below_capacity_nothing_is_shed_on_a_forecast() -> None:
