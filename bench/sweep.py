@@ -12,8 +12,8 @@ and the whole-path batch time its policy learned (``t(n) = a + b·n``); then eac
 serves every arrival pattern at every load (a share of that capacity). Requests carry
 ``parameters.timeout`` = the latency target: a client that wants its answer within the target
 says so. Goodput = answers with status 200 within the target, per second. The generator
-(bench.open_loop) reports its own CPU and send lag; a point whose send lag p99 exceeds --max-
-lag-ms is refused (marked, and left out of the verdict). The simulator
+(bench.open_loop) reports its own CPU and send lag; a point whose send lag p99 exceeds
+``--max-lag-ms`` is refused (marked, and left out of the verdict). The simulator
 (bench.scheduler_sim.run_loop) gets the same send times, a device with the learned ``t(n)`` and
 the same policy, and the fixed path outside the worker (c=1 latency minus ``t(1)``) added to
 every answer."""

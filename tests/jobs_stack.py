@@ -29,6 +29,10 @@ class Model:
             raise ValueError(f"negative row {x[x[:, 0] < 0][0].tolist()}")
         return {"y": x * 2}
 """
+PICKY_CONFIG = ("backend: python\nmax_batch_size: 16\n"
+                "inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]\n"
+                "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n")
+"""``y = 2x``, refusing a batch that holds a row whose first value is negative."""
 
 
 def echo_and_picky(folder: Path) -> Path:
@@ -36,10 +40,7 @@ def echo_and_picky(folder: Path) -> Path:
     shutil.copytree(TEST_MODELS / "echo", folder / "models" / "echo")
     (folder / "models" / "picky").mkdir()
     (folder / "models" / "picky" / "model.py").write_text(PICKY)
-    (folder / "models" / "picky" / "config.yaml").write_text(
-        "backend: python\nmax_batch_size: 16\n"
-        "inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]\n"
-        "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n")
+    (folder / "models" / "picky" / "config.yaml").write_text(PICKY_CONFIG)
     return folder / "models"
 
 

@@ -10,7 +10,6 @@ routing is tested on its own too: a stale slot map (``MOVED``) and a slot being 
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,26 +21,12 @@ import redis
 from batching.redis_links import PipelineLink, blocking_link, link_opener
 from batching.redis_topology import async_redis, parse_topology
 from batching.resp_cluster import ClusterConnection, ClusterLink, key_slot
-from tests.conftest import TEST_MODELS, Stack
-from tests.jobs_stack import add_job_worker, result, rows, submit, watch
+from tests.conftest import Stack
+from tests.jobs_stack import PICKY, PICKY_CONFIG, add_job_worker, result, rows, submit, watch
 from tests.procs import RedisServer
 from tests.redis_topologies import ClusterSet
 
 CANDIDATES = [f"m{i}" for i in range(100)]
-RAISING_MODEL = '''
-import numpy as np
-
-
-class Model:
-    def __init__(self, config, device):
-        pass
-
-    def predict(self, inputs):
-        x = inputs["x"]
-        if (x[:, 0] < 0).any():
-            raise ValueError("negative rows are refused by this model")
-        return {"y": x * 2, "batch_rows": np.full((x.shape[0], 1), x.shape[0], np.int64)}
-'''
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +56,9 @@ def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_serve
     assert len(ports) == 3, (models, ports)
     repository = tmp_path / "models"
     for name in models:
-        shutil.copytree(TEST_MODELS / "echo", repository / name)
-        (repository / name / "model.py").write_text(RAISING_MODEL)
+        (repository / name).mkdir(parents=True)
+        (repository / name / "model.py").write_text(PICKY)
+        (repository / name / "config.yaml").write_text(PICKY_CONFIG)
     stack = Stack(cluster.url, repository, logdir, extra_env={
         "CONVEYOR_CELERY_BROKER_URL": redis_server.url, "CONVEYOR_API_WORKERS": "2"})
     try:
@@ -92,7 +78,7 @@ def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_serve
             assert response.json()["outputs"][0]["data"][0] == i * 2
         refused = httpx.post(f"{url}/v2/models/{models[1]}/infer", json=body(-1), timeout=30)
         assert refused.status_code == 500
-        assert "negative rows are refused" in refused.json()["error"]
+        assert "negative row [-1.0" in refused.json()["error"]
         job = submit(stack, rows(40), model=models[2])
         final, _ = watch(stack, job, timeout=60)
         assert final["state"] == "SUCCEEDED", final
