@@ -193,7 +193,12 @@ class Dispatcher:
             self._polling = False
 
     def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
+        # A request cancelled in its tick (its client left) is not admitted at all: admitting
+        # it would only have it withdrawn again at once.
+        batch = [item for item in self._outbox if not item[2].done()]
+        self._outbox = []
+        if not batch:
+            return
         if self._writer is None:
             error = ConnectionError("not connected to Redis")
             for admission, data, fut in batch:

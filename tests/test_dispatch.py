@@ -128,6 +128,27 @@ def test_requests_are_admitted_and_answered_by_id(server: RedisServer) -> None:
     run(server, body)
 
 
+def test_a_request_whose_client_left_within_its_tick_is_never_admitted(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        named = Admission(STREAM, KEYS.rows_waiting("m"), 1, 100, "m")  # withdrawable
+        warm = asyncio.ensure_future(dispatcher.submit(named, request(dispatcher), 5))
+        await serve_one(client)  # the admission script is cached from here on
+        await warm
+        gone, kept = request(dispatcher), request(dispatcher)
+        leaving = asyncio.ensure_future(dispatcher.submit(named, gone, 5))
+        staying = asyncio.ensure_future(dispatcher.submit(named, kept, 5))
+        await asyncio.sleep(0)  # both wait in this tick's write
+        leaving.cancel()
+        assert (await serve_one(client)).id == kept.id
+        assert (await staying).id == kept.id
+        assert leaving.cancelled()
+        await asyncio.sleep(0.05)
+        assert await client.xlen(STREAM) == 0
+        assert int(cast(bytes, await client.get(KEYS.rows_waiting("m")))) == 2  # warm's, kept's
+        assert await client.hget(KEYS.stats("m"), "withdrawn_count") is None  # nothing to undo
+    run(server, body)
+
+
 def test_a_full_queue_is_refused_without_writing(server: RedisServer) -> None:
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         await client.set(KEYS.rows_waiting("m"), 99)
