@@ -99,6 +99,7 @@ class InferRoute:
                 return
             raise
         except ConveyorError as exc:
+            scope.pop(DISCONNECT_HOOK, None)  # answering now: a hang-up only ends the send
             extra = []
             if isinstance(exc, Overloaded):
                 extra.append((b"retry-after", str(exc.retry_after_s).encode()))
@@ -110,6 +111,7 @@ class InferRoute:
             await _respond(send, exc.http_status, orjson.dumps({"error": exc.message}),
                            [(b"content-type", JSON_TYPE), *extra])
             return
+        scope.pop(DISCONNECT_HOOK, None)
         out = [(b"content-type", JSON_TYPE if json_length is None else BINARY_TYPE)]
         if json_length is not None:
             out.append((HEADER_LENGTH, str(json_length).encode()))
