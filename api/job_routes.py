@@ -32,8 +32,8 @@ from api.body import LargeBody, content_length, read_body
 from api.kserve import InferRequest, json_object, parse_document, render
 from api.service import InferenceService, requested_priority
 from batching.callbacks import AllowList, check_callback
-from batching.envelope import Reply
-from batching.errors import InvalidInput, ModelNotFound, Unavailable
+from batching.envelope import Reply, Tensor
+from batching.errors import ConveyorError, InvalidInput, ModelNotFound, Unavailable
 from batching.job_record import (
     FINISHED,
     TRANSITION_LUA,
@@ -191,9 +191,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
                                  "state": record.state.value}, status_code=409)
         with _redis_guard():
             chunks = await service.dispatcher.redis.hgetall(keys.job_chunks(job_id))
-        if len(chunks) != record.chunks:
-            raise ModelNotFound(f"the result of job {job_id} expired")
-        ordered = [unpack_tensors(cast(bytes, chunks[str(i).encode()])) for i in range(record.chunks)]
+        ordered = _ordered_chunks(job_id, record.chunks, chunks)
         binary = binary_data_output or BINARY_TYPE in request.headers.get("accept", "")
         shape = InferRequest(id=job_id, inputs=[], rows=record.total, binary_default=binary)
         content, json_length = render(record.model, shape, join_chunks(ordered))
@@ -232,6 +230,23 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
         return JSONResponse((await load(job_id, request)).view())
 
     return router
+
+
+def _ordered_chunks(job_id: str, count: int,
+                    chunks: Mapping[bytes | str, bytes | str]) -> list[list[Tensor]]:
+    """A SUCCEEDED job's result chunks in order. None left: the result expired (404). Some
+    missing: they were lost (a job worker stores a chunk before counting it, so this is a
+    bug or lost Redis data): a 500 that names them, logged; the job's state is left alone,
+    as its end was reported already (and a read should not rewrite it)."""
+    if count and not chunks:
+        raise ModelNotFound(f"the result of job {job_id} expired")
+    missing = [i for i in range(count) if str(i).encode() not in chunks]
+    if missing:
+        log.error("job %s SUCCEEDED but %d of its %d result chunks are missing: %s", job_id,
+                  len(missing), count, missing[:10])
+        raise ConveyorError(f"the result of job {job_id} is incomplete: {len(missing)} of "
+                            f"its {count} chunks are missing (first: {missing[:10]})")
+    return [unpack_tensors(cast(bytes, chunks[str(i).encode()])) for i in range(count)]
 
 
 @contextmanager

@@ -34,6 +34,8 @@ ADMIT_LUA = script("admit").text
 WITHDRAW_LUA = script("job_withdraw").text
 TRANSITION_LUA = script("job_transition").text
 LEASE_LUA = script("job_lease").text
+STORE_LUA = script("job_store").text
+"""A job's finished chunks stored, each counted into its progress once."""
 
 
 class JobState(StrEnum):

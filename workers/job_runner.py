@@ -41,7 +41,6 @@ from batching.job_record import (
     JobState,
     Rows,
     count_move,
-    pack_tensors,
     signature,
     unpack_tensors,
 )
@@ -49,6 +48,7 @@ from batching.keys import GROUP, Keys
 from batching.lua import pipelined
 from batching.redis_errors import REDIS_UNREACHABLE
 from batching.settings import Settings
+from workers.job_store import ChunkStore
 
 log = logging.getLogger("conveyor.jobs")
 
@@ -110,6 +110,7 @@ class JobRunner:
         self._withdraw = client.register_script(WITHDRAW_LUA)
         self._transition = client.register_script(TRANSITION_LUA)
         self._lease = client.register_script(LEASE_LUA)
+        self._store = ChunkStore(client, keys, record)
         self._sent: dict[str, Sent] = {}
         self._stored: set[int] = set()
         self._todo: deque[int] = deque()
@@ -302,25 +303,34 @@ class JobRunner:
                                       count=REPLY_BATCH))
 
     def _take(self, popped: Any) -> None:
-        """Store the chunks a popped batch of replies answers; re-queue the retriable."""
+        """Store the chunks a popped batch of replies answers; re-queue the retriable.
+
+        A chunk is stored and counted only once its write succeeded: the replies are off
+        the list already, so a failed write sends its chunks again (when Redis is back)."""
         if not popped:
             return
-        replies = [Reply.decode(data) for data in popped[1]]
-        pipe = self.client.pipeline(transaction=False)
-        for reply in replies:
-            self._on_reply(reply, pipe)
-        if len(pipe):
-            pipe.hset(self._job_key, "done", self.record.done)
-            pipe.execute()
-            self.on_progress(self.record.done, self.record.total)
+        finished: dict[int, list[Tensor]] = {}
+        for data in popped[1]:
+            self._on_reply(Reply.decode(data), finished)
+        if not finished:
+            return
+        try:
+            done = self._store.store(finished, self.rows)
+        except Exception:  # Redis lost, most likely: nothing counts as stored
+            self._todo.extendleft(sorted((i for i in finished if i not in self._todo),
+                                         reverse=True))
+            raise
+        self._stored.update(finished)
+        self.record.done = done
+        self.on_progress(self.record.done, self.record.total)
 
-    def _on_reply(self, reply: Reply, pipe: Any) -> None:
+    def _on_reply(self, reply: Reply, finished: dict[int, list[Tensor]]) -> None:
         if reply.id == WAKE:
             self._next_check = 0.0
             return
         index = int(reply.id.split(":")[1])
         sent = self._sent.pop(reply.id, None)
-        if index in self._stored:
+        if index in self._stored or index in finished:
             return  # an earlier attempt answered first
         if not reply.ok:
             if reply.error_code not in RETRIED:
@@ -336,10 +346,7 @@ class JobRunner:
             del self._sent[rid]  # a resent chunk's first attempt answered: stop waiting
         if sent is None and index in self._todo:  # a reply to an earlier run of the job
             self._todo.remove(index)
-        self._stored.add(index)
-        self.record.done += self.rows.rows(index)
-        pipe.hincrby(self.keys.stats(self.record.model), "job_rows", self.rows.rows(index))
-        pipe.hset(self.keys.job_chunks(self.record.id), str(index), pack_tensors(reply.outputs))
+        finished[index] = reply.outputs
 
     def _check_signature(self, index: int, outputs: list[Tensor]) -> None:
         got = signature(outputs)
