@@ -45,6 +45,13 @@ P = TypeVar("P")
 class BlockingLink(Protocol):
     """What an inference process asks of its hot-path connection."""
 
+    splits: bool
+    """Whether the commands of one write may go to different nodes, each applying its part
+    on its own (a Redis Cluster): a write then orders nothing across nodes, and one part
+    can fail while another is applied. Where one command must wait for another's success,
+    the caller sends it once it has read the other's reply. False: one server applies a
+    write's commands in order."""
+
     def execute(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
         """Send ``commands`` in one write and return their replies; an error reply raises
         :class:`RespError`. ``spin_s``: poll, not sleep, that long for the reply."""
@@ -128,6 +135,8 @@ class PipelineConnection:
         self._redis = sync_redis(url, socket_timeout=timeout_s,
                                  socket_connect_timeout=connect_timeout_s,
                                  retry=Retry(NoBackoff(), 0))
+        self.splits = parse_topology(url).kind == "cluster"
+        """redis-py's cluster pipeline sends each node its part of a write on its own."""
 
     def execute(self, commands: Sequence[Command], spin_s: float = 0.0) -> list[Any]:
         replies = self._run(commands)

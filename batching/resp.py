@@ -185,6 +185,10 @@ class Connection:
     raise :class:`RespError`.
     """
 
+    splits = False
+    """One server applies the commands of a write in their order (a cluster's client,
+    :mod:`batching.resp_cluster`, splits them)."""
+
     def __init__(self, address: Address, timeout_s: float, connect_timeout_s: float = 1.0,
                  locate: Callable[[], Address] | None = None) -> None:
         """``locate``: asked for the primary's address before each connection (Sentinel);

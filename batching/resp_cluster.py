@@ -12,7 +12,11 @@ named, an ``ASK`` reply sends it there once after ``ASKING``.
 :class:`ClusterConnection` is :class:`batching.resp.Connection`'s interface (an
 inference process's), :class:`ClusterLink` :class:`batching.resp.Link`'s part the
 API's dispatcher uses. Replies of one write come back in the order of its commands,
-whichever nodes answered them.
+whichever nodes answered them. Each node applies its part of a write on its own, and one
+part can fail (a lost connection, ``CLUSTERDOWN``, a redirection too many) while another
+is applied: a write orders nothing across nodes (:attr:`ClusterConnection.splits`). An
+inference process's answer therefore releases its entries in a second write, once it has
+read that every reply was pushed (:meth:`workers.streams.ModelStreams.answer`).
 """
 
 from __future__ import annotations
@@ -135,6 +139,9 @@ class ClusterConnection:
     """A blocking connection per node, opened on first use; the interface of
     :class:`batching.resp.Connection` (``spin_s`` is not used: replies come from several
     sockets)."""
+
+    splits = True
+    """The commands of one write go to their slots' nodes, each part applied on its own."""
 
     def __init__(self, topology: Topology, timeout_s: float, connect_timeout_s: float = 1.0) -> None:
         self.routes = SlotRoutes(topology)

@@ -4,27 +4,33 @@
 Three models are placed so that their hash tags land on three different nodes: requests,
 a job and a model's failure each cross the slots of the cluster. The lean client's
 routing is tested on its own too: a stale slot map (``MOVED``) and a slot being migrated
-(``ASK``).
+(``ASK``). An inference process's answer, whose replies go to another node than its
+releases, releases its entries only once the replies are pushed, on either client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import numpy as np
 import pytest
 import redis
 
+from batching.envelope import Reply, Request, Tensor
+from batching.keys import GROUP, Keys
 from batching.redis_links import PipelineLink, blocking_link, link_opener
-from batching.redis_topology import async_redis, parse_topology
+from batching.redis_topology import async_redis, parse_topology, sync_redis
 from batching.resp_cluster import ClusterConnection, ClusterLink, key_slot
 from tests.conftest import Stack
 from tests.jobs_stack import PICKY, PICKY_CONFIG, add_job_worker, result, rows, submit, watch
 from tests.procs import RedisServer
 from tests.redis_topologies import ClusterSet
+from workers.streams import ModelStreams
 
 CANDIDATES = [f"m{i}" for i in range(100)]
 
@@ -176,3 +182,54 @@ def test_the_redis_py_hot_path_routes_by_slot_too(cluster: ClusterSet) -> None:
         await client.aclose()
         return list(got)
     assert asyncio.run(through_the_api_link()) == [b"1", [key_b.encode(), [b"2"]]]
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "redis-py"])
+def test_an_answer_releases_its_entries_only_once_its_replies_are_pushed(
+        cluster: ClusterSet, lean: bool) -> None:
+    """The reply list lives on another node than the model's streams. While it refuses the
+    push (a string where the list should be: ``WRONGTYPE``), an answer leaves its entries
+    pending, in the stream and counted against the queue limit, for the reclaimer to re-run;
+    once it takes the push, the same answer delivers the replies and releases the entries."""
+    model, api, _ = one_model_per_node(cluster)
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    stream, rows_key, reply_key = keys.queue(model, 1), keys.rows_waiting(model), keys.reply(api)
+    assert (cluster.port_of_slot(key_slot(reply_key))
+            != cluster.port_of_slot(key_slot(stream)))
+    client = sync_redis(cluster.url)
+    link = blocking_link(cluster.url, 2.0, lean)
+    streams = ModelStreams(client, link, [stream], keys.stats(model), rows_key, "c1",
+                           suspects_key=keys.suspects(model))
+    try:
+        streams.ensure_groups()
+        for i in range(2):
+            x = Tensor.from_array("x", np.zeros((2, 4), np.float32))
+            request = Request(f"r{i}", reply_key, 0, 0, 1, [x])
+            client.xadd(stream, {"d": request.encode(), "r": 2})
+            client.incrby(rows_key, 2)
+        entries = streams.read(10, None)
+        assert [e.request.id for e in entries] == ["r0", "r1"]
+        answered = [(e, Reply(e.request.id)) for e in entries]
+
+        client.set(reply_key, "not a list")
+        streams.answer(answered, {"success_count": 2})
+        streams.settle()
+        assert client.xpending(stream, GROUP)["pending"] == 2
+        assert client.xlen(stream) == 2
+        assert int(client.get(rows_key) or 0) == 4
+
+        client.delete(reply_key)
+        streams.answer(answered, {"success_count": 2})
+        streams.settle()
+        pushed = cast(list[bytes], client.lrange(reply_key, 0, -1))
+        assert [Reply.decode(b).id for b in pushed] == ["r0", "r1"]
+        assert client.xpending(stream, GROUP)["pending"] == 0
+        assert client.xlen(stream) == 0
+        assert int(client.get(rows_key) or 0) == 0
+        # The run whose replies were refused counts too: the statistics went with them.
+        assert int(client.hget(keys.stats(model), "success_count") or 0) == 4
+    finally:
+        link.close()
+        for key in (stream, rows_key, reply_key, keys.stats(model)):
+            client.delete(key)
+        client.close()

@@ -4,15 +4,29 @@ Reads take the highest priority first. Answers for a whole batch go out in one w
 the batch's statistics (stats.lua), the replies (pushed onto each API process's reply
 list, with a TTL so a vanished API leaves nothing behind), then release.lua per stream,
 which acknowledges and deletes the entries and releases the rows of those it deleted
-from the queue limit, in one step. Redis applies them in that order, so the statistics
-count a request before its client can have the answer.
+from the queue limit, in one step. On a single Redis (or a Sentinel-watched primary) that
+write is one pipeline on one connection and Redis applies it in that order: the
+statistics count a request before its client can have the answer, and an entry is
+released only after its reply is pushed, so a write cut short leaves it pending, for the
+reclaimer to re-run.
+A Redis Cluster applies the commands of one write node by node, each node on its own (a
+reply list lives on its API process's slot, the rest on the model's), so there an answer
+is two writes, one round trip apart: the statistics and the replies, then, only once
+every reply push has answered with its list's length, the releases. A push that fails
+(a lost connection, ``CLUSTERDOWN``, a redirection too many, an error reply) leaves the
+batch's entries pending, to be re-run: at least once, and an API ignores a reply for a
+request it no longer waits for. The lean client and redis-py's cluster pipeline
+(``CONVEYOR_LEAN_REDIS=0``) answer alike. On a cluster the statistics reach the model's
+node while the replies reach theirs, not before: a client can have its answer a moment
+before it is counted. A batch re-run after a failed push (or a single Redis's write cut
+short after the statistics) is counted twice.
 Each read also fetches, in the same round trip, the model's withdrawn set: entries whose
 clients left after a worker read them (batching/lua/withdraw.lua). The loop drops those it
 holds unrun, and :meth:`ModelStreams.withdraw` releases them like an answer, without a
 reply.
 Reads and answers, once per batch, use the lean client of :mod:`batching.resp`, and an
-answer's replies are read with the next read's; the rarer calls (claims, dead letters)
-use redis-py.
+answer's replies are read with the next read's (on a cluster, its releases' replies);
+the rarer calls (claims, dead letters) use redis-py.
 """
 
 from __future__ import annotations
@@ -239,8 +253,15 @@ class ModelStreams:
                counters: Mapping[str, int] | None = None) -> None:
         """Add ``counters`` (and any still buffered) to the stats hash, send every reply
         and release the entries (XACK, XDEL and their rows off the queue limit, for those
-        still there): one write for the whole batch, whose replies are read with the next
-        read's. The counters go first, so they are in the hash before any reply is out.
+        still there).
+
+        On a single Redis: one write for the whole batch, whose replies are read with the
+        next read's. The counters go first, so they are in the hash before any reply is
+        out, and the releases after the replies. On a cluster, whose nodes each apply
+        their part of a write on their own (:attr:`BlockingLink.splits`, the lean client
+        and redis-py's alike), the counters and replies go out first and the releases
+        only once every reply push has succeeded (:meth:`_answer_split`): one round trip
+        more, waited for here.
         """
         self._counts.update(counters or {})
         commands = self._due_counts() if self.counts_pending else []
@@ -252,12 +273,43 @@ class ModelStreams:
         for key, blobs in by_reply.items():
             commands.append(("RPUSH", key, *blobs))
             commands.append(("EXPIRE", key, REPLY_TTL_S))
-        for stream, released in by_stream.items():
-            commands.append(("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released))
+        releases: list[Command] = [
+            ("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released)
+            for stream, released in by_stream.items()]
+        after: list[Command] = []
         if self._on_trial:
             self._on_trial = False
-            commands.append(("HDEL", self.suspects_key, self.consumer))
-        self._link.send(commands)
+            after.append(("HDEL", self.suspects_key, self.consumer))
+        if self._link.splits and releases:
+            self._answer_split(commands + after, releases)
+            return
+        self._link.send(commands + releases + after)
+
+    def _answer_split(self, pushes: list[Command], releases: list[Command]) -> None:
+        """An answer on a cluster: send ``pushes`` (the counters, the replies, and the
+        ``HDEL`` that ends a trial: the run is over, whatever becomes of its replies) and
+        read their replies; send ``releases`` only when every ``RPUSH`` answered with its
+        list's length. Otherwise the entries stay pending, and the reclaimer re-runs them.
+        A lost connection raises, as a failed write does on a single Redis."""
+        got: list[list[Any]] = []
+        self._link.send(pushes, got.append)
+        self._link.flush()
+        replies = got[0] if got else []
+        if len(replies) != len(pushes):
+            log.warning("an answer's replies were not all confirmed: its entries stay "
+                        "pending, to be re-run")
+            return
+        refused = []
+        for command, reply in zip(pushes, replies, strict=True):
+            if command[0] == "RPUSH" and not isinstance(reply, int):
+                refused.append(f"{command[1]!r}: {reply}")
+            elif isinstance(reply, Exception):
+                log.error("Redis refused a command of an answer: %s", reply)
+        if refused:
+            log.warning("a reply push failed (%s): the batch's entries stay pending, to be "
+                        "re-run", "; ".join(refused))
+            return
+        self._link.send(releases)
 
     def settle(self) -> None:
         """Wait until Redis has applied every answer sent. Run before each batch: a batch

@@ -3,8 +3,11 @@
 -- ARGV[1]: "field amount field amount ..." to add with HINCRBY; ARGV[2]: "field value ..."
 -- to set (latest values, such as last_inference). Fields hold no spaces. Two packed
 -- strings cost the sender a third of the Python of one argument per field and number.
--- Sent in the same write as the replies it counts, ahead of them: a client that has its
--- answer finds it counted.
+-- Sent in the same write as the replies it counts, ahead of them. On a single Redis that
+-- write is applied in order: a client that has its answer finds it counted. On a cluster
+-- this runs on the model's node while the replies go to their API processes' nodes, at
+-- the same time and not ordered with them (workers/streams.py): a client may have its
+-- answer a moment before it is counted.
 local added = 0
 for field, amount in string.gmatch(ARGV[1], '(%S+) (%S+)') do
   redis.call('HINCRBY', KEYS[1], field, amount)
