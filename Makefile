@@ -12,9 +12,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-deps:  ## Debian packages: redis-server (wrk and h2load for the benchmark and `conveyor bench`)
-	@if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -yq redis-server wrk nghttp2-client; \
-	else sudo apt-get update -q && sudo apt-get install -yq redis-server wrk nghttp2-client; fi
+DEBIAN_PACKAGES := redis-server wrk nghttp2-client prometheus docker-compose chromium
+
+deps:  ## Debian packages: redis-server; wrk and h2load (the benchmark, `conveyor bench`); promtool, docker-compose and chromium (the tests of the alert rules, the compose file and Flower's pages)
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -yq --no-install-recommends $(DEBIAN_PACKAGES); \
+	else sudo apt-get update -q && sudo apt-get install -yq --no-install-recommends $(DEBIAN_PACKAGES); fi
 
 run: $(VENV)/.installed
 	$(VENV)/bin/conveyor run
