@@ -65,3 +65,34 @@ def test_every_request_is_answered_once_and_released(
     assert all(r.ok for r in replies)
     assert client.xlen(keys.queue(MODEL, 1)) == 0
     client.delete(REPLY)
+
+
+def test_the_mark_of_an_entry_that_ran_anyway_goes_with_its_answer(
+        redis_server: RedisServer, client: redis.Redis, keys: Keys) -> None:
+    """A client that left while its request ran: the worker answers it (nobody reads that)
+    and removes its withdrawn mark, so the set each read fetches holds waiting entries only."""
+    link = Connection(Address.from_url(redis_server.url), timeout_s=5.0)
+    stream = keys.queue(MODEL, 1)
+    streams = ModelStreams(client, link, [stream], keys.stats(MODEL), keys.rows_waiting(MODEL),
+                           "marks", suspects_key=keys.suspects(MODEL),
+                           withdrawn_key=keys.withdrawn(MODEL))
+    streams.ensure_groups()
+    try:
+        now_ms = int(time.time() * 1000)
+        x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
+        for _ in range(2):
+            request = Request(uuid.uuid4().hex, REPLY, now_ms + 60_000, now_ms, 1, [x])
+            client.xadd(stream, {"d": request.encode(), "r": 1})
+        running, waiting = streams.read(2, None)
+        for entry in (running, waiting):  # both clients leave; the first one's runs already
+            client.zadd(keys.withdrawn(MODEL), {f"{stream} {entry.entry_id}": now_ms + 60_000})
+        assert streams.read(1, None) == []  # fetches the marks
+        assert set(streams.withdrawn) == {running.entry_id, waiting.entry_id}
+        streams.answer([(running, Reply(running.request.id, [x], batch_rows=1))])
+        streams.settle()
+        marks = client.zrange(keys.withdrawn(MODEL), 0, -1)
+        assert marks == [f"{stream} {waiting.entry_id}".encode()]
+        assert set(streams.withdrawn) == {waiting.entry_id}
+    finally:
+        client.delete(REPLY)
+        link.close()

@@ -267,15 +267,23 @@ class ModelStreams:
         commands = self._due_counts() if self.counts_pending else []
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str | int]] = defaultdict(list)
+        marked: list[str] = []
         for entry, reply in answered:
             by_reply[entry.request.reply].append(reply.encode())
             by_stream[entry.stream] += (entry.entry_id, entry.rows)
+            if self.withdrawn and self.withdrawn.get(entry.entry_id) == entry.stream:
+                del self.withdrawn[entry.entry_id]  # its client left while it ran
+                marked.append(f"{entry.stream} {entry.entry_id}")
         for key, blobs in by_reply.items():
             commands.append(("RPUSH", key, *blobs))
             commands.append(("EXPIRE", key, REPLY_TTL_S))
         releases: list[Command] = [
             ("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released)
             for stream, released in by_stream.items()]
+        if marked and self.withdrawn_key is not None:
+            # The mark of an entry that ran anyway goes with its release: the set that
+            # every read fetches holds only entries still waiting.
+            releases.append(("ZREM", self.withdrawn_key, *marked))
         after: list[Command] = []
         if self._on_trial:
             self._on_trial = False
