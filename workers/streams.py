@@ -232,7 +232,7 @@ class ModelStreams:
             commands.append(("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released))
         if self.withdrawn_key is not None:
             commands.append(("ZREM", self.withdrawn_key,
-                             *(f"{e.stream} {e.entry_id}" for e in entries)))
+                             *(_mark(e) for e in entries)))
         self._link.send(commands)
 
     def _entries(self, stream: str, items: list[Any], deliveries: dict[str, int]) -> list[Entry]:
@@ -273,7 +273,7 @@ class ModelStreams:
             by_stream[entry.stream] += (entry.entry_id, entry.rows)
             if self.withdrawn and self.withdrawn.get(entry.entry_id) == entry.stream:
                 del self.withdrawn[entry.entry_id]  # its client left while it ran
-                marked.append(f"{entry.stream} {entry.entry_id}")
+                marked.append(_mark(entry))
         for key, blobs in by_reply.items():
             commands.append(("RPUSH", key, *blobs))
             commands.append(("EXPIRE", key, REPLY_TTL_S))
@@ -362,6 +362,11 @@ class ModelStreams:
         """An entry that cannot be decoded has no reply address: acknowledge and delete it,
         and release its rows from the queue limit."""
         self._redis.eval(RELEASE_LUA.decode(), 2, self.rows_key, stream, GROUP, entry_id, rows)
+
+
+def _mark(entry: Entry) -> str:
+    """An entry's member in the withdrawn set, as batching/lua/withdraw.lua writes it."""
+    return f"{entry.stream} {entry.entry_id}"
 
 
 def _fields(fields: Any) -> dict[bytes, bytes]:
