@@ -128,6 +128,12 @@ def closed_rps(stack: Stack, connections: int, seconds: float) -> tuple[float, f
     return out.count(200) / seconds, ordered[len(ordered) // 2] if ordered else float("nan")
 
 
+def capacity_rps(stack: Stack, seconds: float) -> float:
+    """Closed-loop capacity: the more the connections, the bigger the batches, so the most
+    that 64 or 256 connections get answered per second."""
+    return max(closed_rps(stack, c, seconds)[0] for c in (64, 256))
+
+
 def make_policy(setting: Setting, target_s: float) -> Policy:
     if setting.adaptive:
         return AdaptivePolicy(MAX_BATCH_SIZE, ADAPTIVE_BOUND_US / 1e6, latency_target_s=target_s)
@@ -172,8 +178,7 @@ def sweep_model(model: str, repo: Path, work: Path, args: argparse.Namespace) ->
     write_config(repo, model, adaptive, args.target_ms)
     with conveyor(model, repo, work, body) as stack:
         closed_rps(stack, 64, args.warmup_s + 1)
-        # The more the connections, the bigger the batches: the most either count serves.
-        capacity = max(closed_rps(stack, c, args.capacity_s)[0] for c in (64, 256))
+        capacity = capacity_rps(stack, args.capacity_s)
         time.sleep(1.0)  # a heartbeat carries the policy's fit to the API
         a, b = stack.estimates()
         _, c1_ms = closed_rps(stack, 1, 2.0)

@@ -24,7 +24,15 @@ import pytest
 
 from bench.models import write_repository
 from bench.scheduler_sim import Device
-from bench.sweep import Stack, closed_rps, conveyor, measure, request_body, write_config
+from bench.sweep import (
+    Stack,
+    capacity_rps,
+    closed_rps,
+    conveyor,
+    measure,
+    request_body,
+    write_config,
+)
 from bench.sweep_report import Point, Setting
 
 pytestmark = pytest.mark.serial
@@ -51,7 +59,7 @@ def test_adaptive_keeps_goodput_past_capacity_and_ties_near_it(tmp_path: Path) -
     fixed_0, adaptive = Setting(False, 0), Setting(True, 0)
     with serving(repo, tmp_path, fixed_0) as stack:
         closed_rps(stack, 64, 1.0)
-        capacity = max(closed_rps(stack, c, 2.0)[0] for c in (64, 256))
+        capacity = capacity_rps(stack, 2.0)
         fixed_near = point(stack, fixed_0, NEAR, capacity)
         past = PAST
         fixed_past = point(stack, fixed_0, past, capacity)
