@@ -68,7 +68,11 @@ def add_port(server: grpc.aio.Server, settings: Settings) -> int:
     except RuntimeError:
         port = 0
     if port == 0:
-        raise BindError(f"gRPC cannot listen on {where}: the port is in use (set "
-                        "CONVEYOR_GRPC_PORT, or CONVEYOR_GRPC_REUSEPORT=1 to share it with "
-                        "other API processes) or the address is not this host's (CONVEYOR_HOST)")
+        raise BindError(bind_failure(where))
     return port
+
+
+def bind_failure(where: str) -> str:
+    return (f"gRPC cannot listen on {where}: the port is in use (set CONVEYOR_GRPC_PORT, or "
+            "CONVEYOR_GRPC_REUSEPORT=1 to share it with other API processes) or the address "
+            "is not this host's (CONVEYOR_HOST)")

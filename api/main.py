@@ -40,6 +40,7 @@ from batching.repository_scan import scan_repository
 from batching.settings import Settings
 
 if TYPE_CHECKING:
+    from api.grpc_native import NativeGrpcEndpoint
     from api.grpc_server import GrpcEndpoint
 
 log = logging.getLogger("conveyor.api")
@@ -122,9 +123,14 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
 
 
 def grpc_server(service: InferenceService, repository: Repository, settings: Settings,
-                guard: Guard) -> GrpcEndpoint:
-    """The gRPC endpoint, imported only here: its generated ``api.proto`` module is loaded
-    by the processes that serve gRPC, never by those that only build the HTTP app."""
+                guard: Guard) -> GrpcEndpoint | NativeGrpcEndpoint:
+    """The gRPC endpoint (``settings.grpc_server``), imported only here: its generated
+    ``api.proto`` module is loaded by the processes that serve gRPC, never by those that
+    only build the HTTP app."""
+    if settings.grpc_server == "native":
+        from api.grpc_native import NativeGrpcEndpoint
+
+        return NativeGrpcEndpoint(service, repository, settings, guard)
     from api.auth_grpc import AuthInterceptor
     from api.grpc_decode import DecodeGuard
     from api.grpc_server import GrpcEndpoint

@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     """Address every listener binds (HTTP, gRPC, worker probe, Flower under ``conveyor
     run``). Anything but loopback without ``api_keys_file`` needs ``allow_unauthenticated``."""
+    grpc_server: Literal["native", "grpcio"] = "native"
+    """What serves the gRPC port: ``native``, conveyor's own HTTP/2 in the API's event loop
+    (docs/data-path.md), or ``grpcio``, grpc.aio's server. Same methods, statuses and
+    limits; native costs a fraction of the CPU per call."""
     grpc_reuseport: bool = False
     """Let several API processes share the gRPC port (SO_REUSEPORT). Off: a port taken by
     another program is an error at start."""
