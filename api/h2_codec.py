@@ -1,8 +1,9 @@
 """HTTP/2 wire pieces for the native gRPC listener: frame headers, frames, header blocks.
 
-Request header blocks are decoded by ``hpack`` (RFC 7541). A block made of indexed fields
-only (what a client sends again and again once its headers sit in the table) changes no
-table state, so its decoded list is kept and reused while the table stays as it was.
+Request header blocks are decoded by ``hpack`` (RFC 7541). A block that changes no table
+state (indexed fields and literals not indexed: what a client sends again and again once
+its headers sit in the table) is kept with its decoded list and reused while the table
+stays as it was.
 Response headers are written as literals without indexing (no encoder table to keep
 in step with the peer's): a response's head and its trailers are a few constant bytes
 and the status.
@@ -41,6 +42,8 @@ MAX_WINDOW: Final = 2**31 - 1
 
 _HEAD = struct.Struct(">I")  # 24-bit length and type, read as one word
 _CACHED_BLOCKS = 256
+_CACHED_BLOCK_BYTES = 1024
+"""At most 256 blocks of 1 KiB each are kept per connection."""
 
 
 class ProtocolError(Exception):
@@ -102,18 +105,45 @@ def parse_settings(payload: bytes) -> dict[int, int]:
     return {k: v for k, v in struct.iter_unpack(">HI", payload)}
 
 
-def _indexed_only(block: bytes) -> bool:
-    """Whether every field of ``block`` is an indexed field (first bit set in each)."""
-    i, n = 0, len(block)
-    while i < n:
-        if not block[i] & 0x80:
-            return False
-        if block[i] & 0x7F == 0x7F:  # a multi-byte index: skip its continuation bytes
+def _skip_integer(block: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
+    """The HPACK integer at ``block[i]`` and the index after it."""
+    limit = (1 << prefix_bits) - 1
+    value = block[i] & limit
+    i += 1
+    if value == limit:
+        shift = 0
+        while True:
+            byte = block[i]
+            value += (byte & 0x7F) << shift
+            shift += 7
             i += 1
-            while i < n and block[i] & 0x80:
-                i += 1
-        i += 1
-    return True
+            if not byte & 0x80:
+                break
+    return value, i
+
+
+def _keeps_table(block: bytes) -> bool:
+    """Whether decoding ``block`` leaves the header table as it was: only indexed fields
+    and literals without indexing or never indexed, no literal with incremental indexing,
+    no table size update. Such a block decodes to the same list while the table stays."""
+    i, n = 0, len(block)
+    try:
+        while i < n:
+            first = block[i]
+            if first & 0x80:
+                _, i = _skip_integer(block, i, 7)
+            elif first & 0x60:  # 01: incremental indexing; 001: table size update
+                return False
+            else:
+                name, i = _skip_integer(block, i, 4)
+                if name == 0:
+                    length, i = _skip_integer(block, i, 7)
+                    i += length
+                length, i = _skip_integer(block, i, 7)
+                i += length
+    except IndexError:
+        return False
+    return i == n
 
 
 class HeaderDecoder:
@@ -133,7 +163,7 @@ class HeaderDecoder:
             raise ProtocolError(f"request headers too large: {exc}", ENHANCE_YOUR_CALM) from exc
         except (hpack.HPACKError, UnicodeDecodeError, ValueError) as exc:
             raise ProtocolError(f"undecodable header block: {exc}", COMPRESSION_ERROR) from exc
-        if _indexed_only(block):
+        if len(block) <= _CACHED_BLOCK_BYTES and _keeps_table(block):
             if len(self._cache) >= _CACHED_BLOCKS:
                 self._cache.clear()
             self._cache[block] = headers

@@ -74,7 +74,8 @@ def test_pool_restarts_a_dead_child_and_passes_sigterm_on(tmp_path: Path) -> Non
         wait_for(lambda: len(children_of(proc.pid) - first) == 1, 20, "a replacement child")
         now = children_of(proc.pid)
         assert victim not in now and len(now) == 2
-        assert len(list(out.iterdir())) == 3  # two started, one restarted
+        # two started, one restarted (which writes its file once it runs: wait for it)
+        wait_for(lambda: len(list(out.iterdir())) == 3, 20, "the replacement's start")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         wait_for(lambda: all(gone(pid) for pid in now), 10, "the children to exit")

@@ -37,11 +37,13 @@ from tests.protocol_stack import (
 )
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server: RedisServer, logdir: Path,
+@pytest.fixture(scope="module", params=["native", "grpcio"])
+def stack(request: pytest.FixtureRequest, redis_server: RedisServer, logdir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Each test against both gRPC listeners (CONVEYOR_GRPC_SERVER)."""
     yield from protocol_stack(redis_server, logdir,
-                              build_repository(tmp_path_factory.mktemp("grpc-repo")))
+                              build_repository(tmp_path_factory.mktemp("grpc-repo")),
+                              CONVEYOR_GRPC_SERVER=request.param)
 
 
 def alltypes_inputs(arrays: dict[str, np.ndarray], module: ModuleType = grpcclient
