@@ -109,12 +109,12 @@ class CallEnv:
 
 class GrpcCall:
     __slots__ = (
-        "_buf",
         "_conn",
         "_deadline",
         "_done",
         "_env",
         "_head_sent",
+        "_held",
         "_id",
         "_metadata",
         "_method",
@@ -127,7 +127,7 @@ class GrpcCall:
     def __init__(self, env: CallEnv, conn: H2Connection, stream_id: int,
                  headers: list[tuple[str, str]]) -> None:
         self._env, self._conn, self._id = env, conn, stream_id
-        self._buf = b""
+        self._held = h2.Pending(5)
         self._queue: asyncio.Queue[Message | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._done = self._head_sent = False
@@ -195,8 +195,11 @@ class GrpcCall:
         if self._done:
             self._conn.credit(self._id, len(chunk))
             return
-        buf = self._buf + chunk if self._buf else chunk
+        buf = b""
         try:
+            whole = self._held.add(chunk)
+            buf = whole if whole is not None else b""
+            need = 5
             while len(buf) >= 5:
                 size = int.from_bytes(buf[1:5], "big")
                 if size > self._env.max_message:
@@ -204,14 +207,17 @@ class GrpcCall:
                                 f"Received message larger than max ({size} vs. "
                                 f"{self._env.max_message})")
                 if len(buf) < 5 + size:
+                    need = 5 + size
                     break
                 raw, compressed = buf[5:5 + size], buf[0]
                 buf = buf[5 + size:]
                 self._conn.credit(self._id, 5 + size)
                 self._message(self._decoded(raw, compressed))
-            self._buf = buf
+            if whole is not None:
+                self._held.keep(buf, need)
+                buf = b""
             if end:
-                if buf:
+                if self._held.size:
                     raise Abort(_CODES[grpc.StatusCode.INTERNAL], "the request ends inside a message")
                 if self._queue is not None:
                     self._queue.put_nowait(None)
@@ -219,8 +225,8 @@ class GrpcCall:
                     raise Abort(_CODES[grpc.StatusCode.UNIMPLEMENTED],
                                 "a unary call without its request message")
         except Abort as exc:
-            self._conn.credit(self._id, len(buf))
-            self._buf = b""
+            self._conn.credit(self._id, len(buf) + self._held.size)
+            self._held.keep(b"", 5)
             if self._task is not None:
                 self._task.cancel()
             self._finish(exc.code, exc.message)

@@ -54,6 +54,36 @@ class ProtocolError(Exception):
         self.code = code
 
 
+class Pending:
+    """Bytes that do not yet make a whole unit (a frame, a message), kept as chunks and
+    joined once enough have come: a large unit costs one copy, not one per chunk."""
+
+    __slots__ = ("chunks", "need", "size")
+
+    def __init__(self, need: int) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.need = need
+
+    def add(self, data: bytes) -> bytes | None:
+        """What is held with ``data`` after it, once that is at least ``need`` bytes."""
+        if not self.chunks and len(data) >= self.need:
+            return data
+        self.chunks.append(data)
+        self.size += len(data)
+        if self.size < self.need:
+            return None
+        whole = b"".join(self.chunks)
+        self.chunks, self.size = [], 0
+        return whole
+
+    def keep(self, rest: bytes, need: int) -> None:
+        """Hold ``rest`` until ``need`` bytes (``rest`` included) have come."""
+        self.chunks = [rest] if rest else []
+        self.size = len(rest)
+        self.need = need
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return (_HEAD.pack(len(payload) << 8 | kind) + bytes((flags,))
             + stream_id.to_bytes(4, "big") + payload)

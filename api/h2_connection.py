@@ -87,7 +87,7 @@ class H2Connection(asyncio.Protocol):
         self._limits = limits
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
-        self._buf = b""
+        self._held = h2.Pending(len(h2.PREFACE))
         self._preface = False
         self._decoder = h2.HeaderDecoder(MAX_HEADER_LIST_SIZE)
         self.streams: dict[int, _Stream] = {}
@@ -130,20 +130,19 @@ class H2Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._heard = self._loop.time()
-        if self._buf:
-            data = self._buf + data
         try:
+            whole = self._held.add(data)
+            if whole is None:
+                if not self._preface and not h2.PREFACE.startswith(b"".join(self._held.chunks)):
+                    raise h2.ProtocolError("not an HTTP/2 connection preface")
+                return
+            data = whole
             if not self._preface:
-                if len(data) < len(h2.PREFACE):
-                    if not h2.PREFACE.startswith(data):
-                        raise h2.ProtocolError("not an HTTP/2 connection preface")
-                    self._buf = data
-                    return
                 if not data.startswith(h2.PREFACE):
                     raise h2.ProtocolError("not an HTTP/2 connection preface")
                 self._preface = True
                 data = data[len(h2.PREFACE):]
-            pos, size = 0, len(data)
+            pos, size, need = 0, len(data), 9
             while size - pos >= 9:
                 word, flags, stream_id = _FRAME.unpack_from(data, pos)
                 length = word >> 8
@@ -152,10 +151,11 @@ class H2Connection(asyncio.Protocol):
                                            h2.FRAME_SIZE_ERROR)
                 end = pos + 9 + length
                 if end > size:
+                    need = 9 + length
                     break
                 self._frame(word & 0xFF, flags, stream_id & 0x7FFFFFFF, data[pos + 9:end])
                 pos = end
-            self._buf = data[pos:] if pos < size else b""
+            self._held.keep(data[pos:] if pos < size else b"", need)
         except h2.ProtocolError as exc:
             log.info("HTTP/2 connection error: %s", exc)
             self._fail(exc.code, str(exc))
