@@ -85,8 +85,11 @@ def status_block(code: int, message: str, head: bool) -> bytes:
     return block
 
 
-def message_frame(message: Message) -> bytes:
+def message_frame(message: Message, limit: int) -> bytes:
     raw: bytes = message.SerializeToString()
+    if len(raw) > limit:
+        raise Abort(_CODES[grpc.StatusCode.RESOURCE_EXHAUSTED],
+                    f"Sent message larger than max ({len(raw)} vs. {limit})")
     return b"\x00" + len(raw).to_bytes(4, "big") + raw
 
 
@@ -121,6 +124,7 @@ class GrpcCall:
         "_queue",
         "_refusal",
         "_task",
+        "_timer",
         "_wbits",
     )
 
@@ -134,6 +138,7 @@ class GrpcCall:
         self._deadline: float | None = None
         self._wbits = 0
         self._refusal: Abort | None = None
+        self._timer: asyncio.TimerHandle | None = None
         path = credentials = encoding = timeout = content_type = ""
         method_verb = ""
         metadata = []
@@ -175,12 +180,11 @@ class GrpcCall:
             if self._method is None:
                 raise Abort(_CODES[grpc.StatusCode.UNIMPLEMENTED], f"Method not found: {path}")
         except Abort as exc:
-            method = env.methods.get(path)
-            if method is not None and method.client_streaming:
-                self._refusal = exc  # answered when its first bytes come (see data)
-                return
-            self._finish(exc.code, exc.message)
+            self._refusal = exc  # answered when the client has written (see data)
             return
+        finally:
+            if self._deadline is not None:
+                self._timer = asyncio.get_running_loop().call_at(self._deadline, self._expire)
         if self._method.client_streaming:
             self._queue = asyncio.Queue()
             self._start(self._run(None))
@@ -188,8 +192,9 @@ class GrpcCall:
     # --- StreamSink ---------------------------------------------------------------------
     def data(self, chunk: bytes, end: bool) -> None:
         if self._refusal is not None:
-            # A refused stream is answered once the client wrote to it: answered at its
-            # headers, grpc's clients lose the status to their own first write (INTERNAL).
+            # A refused call is answered once the client wrote to it: answered at its
+            # headers, a streaming client of grpc's loses the status to its own first
+            # write (INTERNAL). A unary call's headers and message come together.
             self._finish(self._refusal.code, self._refusal.message)
             self._refusal = None
         if self._done:
@@ -232,7 +237,7 @@ class GrpcCall:
             self._finish(exc.code, exc.message)
 
     def reset(self) -> None:
-        self._done = True
+        self._ended()
         if self._task is not None:
             self._task.cancel()
 
@@ -252,6 +257,9 @@ class GrpcCall:
             raise Abort(_CODES[grpc.StatusCode.RESOURCE_EXHAUSTED],
                         f"Received message larger than max (more than {self._env.max_message} "
                         "bytes decompressed)")
+        if not inflate.eof or inflate.unused_data:
+            raise Abort(_CODES[grpc.StatusCode.INTERNAL],
+                        "a compressed message that is truncated or has bytes after its end")
         return out
 
     def _message(self, raw: bytes) -> None:
@@ -290,16 +298,17 @@ class GrpcCall:
         argument = self._requests() if request is None else request
         try:
             async with asyncio.timeout_at(self._deadline):
+                limit = self._env.max_message
                 if method.server_streaming:
                     async for answer in method.behaviour(argument, context):
-                        self._send(message_frame(answer))
+                        self._send(message_frame(answer, limit))
                     self._finish(OK, "")
                 else:
-                    answer = await method.behaviour(argument, context)
+                    frame = message_frame(await method.behaviour(argument, context), limit)
                     if not self._done:
-                        self._done = True
+                        self._ended()
                         self._conn.send_headers(self._id, _HEAD)
-                        self._conn.send_data(self._id, message_frame(answer))
+                        self._conn.send_data(self._id, frame)
                         self._conn.send_headers(self._id, _OK_TRAILERS, end=True)
         except Abort as exc:
             self._finish(exc.code, exc.message)
@@ -321,9 +330,19 @@ class GrpcCall:
             self._conn.send_headers(self._id, _HEAD)
         self._conn.send_data(self._id, frame)
 
+    def _expire(self) -> None:
+        """The deadline passed before the call's task started (no request message yet)."""
+        if self._task is None:
+            self._finish(_CODES[grpc.StatusCode.DEADLINE_EXCEEDED], "Deadline Exceeded")
+
+    def _ended(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+
     def _finish(self, code: int, message: str) -> None:
         if self._done:
             return
-        self._done = True
+        self._ended()
         self._conn.send_headers(self._id, status_block(code, message, not self._head_sent),
                                 end=True)
