@@ -158,6 +158,16 @@ def test_a_full_queue_is_refused_without_writing(server: RedisServer) -> None:
     run(server, body)
 
 
+def test_a_counter_below_zero_still_admits(server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        await client.set(KEYS.rows_waiting("m"), -5)  # its key lost, then rows released
+        sent = request(dispatcher)
+        waiting = asyncio.ensure_future(dispatcher.submit(admission(), sent, 5))
+        assert (await serve_one(client)).id == sent.id
+        assert (await waiting).id == sent.id  # not a queue-full error for a queued request
+    run(server, body)
+
+
 def test_a_flushed_script_cache_is_refilled(server: RedisServer) -> None:
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         await client.script_flush()

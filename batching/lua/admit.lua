@@ -12,4 +12,6 @@ if waiting + rows > tonumber(ARGV[2]) then
   return {-waiting - 1, ''}
 end
 local id = redis.call('XADD', KEYS[2], '*', 'd', ARGV[3], 'r', ARGV[1])
-return {redis.call('INCRBY', KEYS[1], rows), id}
+-- A counter below zero (its key deleted while entries waited, then their rows released)
+-- must not read as a refusal: the entry is in. The workers' reconciler puts it right.
+return {math.max(redis.call('INCRBY', KEYS[1], rows), 0), id}
