@@ -19,7 +19,7 @@ from click import Option
 
 from batching.settings import Settings
 from conveyor.celery_client import celery_app
-from workers import control
+from workers import control, kombu_guard
 from workers.events import NODE_ENV
 from workers.job_tasks import JobReaper
 from workers.probe import start_probe
@@ -32,6 +32,7 @@ FLOWER_TASKS_COLUMNS = ("name,state,kwargs,result,exception,received,started,run
 beyond Flower's defaults, a batch's rows, how many batches a merged task stands for,
 its outcome, and its start."""
 
+kombu_guard.install()
 app = celery_app(Settings())
 app.conf.update(
     worker_send_task_events=True,
