@@ -36,6 +36,11 @@ _OK_TRAILERS = h2.literal(b"grpc-status", b"0")
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _ENCODINGS = {"gzip": 31, "deflate": 15}  # zlib wbits of each grpc-encoding
 ACCEPT_ENCODING = "identity,deflate,gzip"
+_READ = (":path", ":method", "content-type", "grpc-timeout", "grpc-encoding", "authorization")
+"""The request headers a call reads itself."""
+_NOT_METADATA = frozenset({"te", "grpc-accept-encoding", "user-agent", "content-type",
+                           "grpc-timeout", "grpc-encoding"})
+"""Request headers that are transport, not the call's metadata (``authorization`` is both)."""
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 """grpc-message percent-encodes all but printable ASCII, and ``%`` itself."""
 
@@ -139,26 +144,16 @@ class GrpcCall:
         self._wbits = 0
         self._refusal: Abort | None = None
         self._timer: asyncio.TimerHandle | None = None
-        path = credentials = encoding = timeout = content_type = ""
-        method_verb = ""
+        read = dict.fromkeys(_READ, "")
         metadata = []
         for name, value in headers:
-            if name[0] == ":":
-                if name == ":path":
-                    path = value
-                elif name == ":method":
-                    method_verb = value
-            elif name == "authorization":
-                credentials = value
+            if name in read:
+                read[name] = value
+            if name[0] != ":" and name not in _NOT_METADATA:
                 metadata.append((name, value))
-            elif name == "grpc-timeout":
-                timeout = value
-            elif name == "grpc-encoding":
-                encoding = value
-            elif name == "content-type":
-                content_type = value
-            elif name not in ("te", "grpc-accept-encoding", "user-agent"):
-                metadata.append((name, value))
+        path, method_verb, content_type = read[":path"], read[":method"], read["content-type"]
+        timeout, encoding, credentials = (read["grpc-timeout"], read["grpc-encoding"],
+                                          read["authorization"])
         self._metadata = tuple(metadata)
         self._method: Method | None = None
         try:
