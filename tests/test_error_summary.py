@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,8 +17,9 @@ import torch
 
 from batching.config import ModelConfig
 from batching.errors import ModelFailure
+from batching.former import Layout
 from workers.backends import SUMMARY_MAX, error_summary, load_model
-from workers.inference import InferenceLoop
+from workers.batch_run import BatchRunner
 
 
 class MatMul(torch.nn.Module):
@@ -34,10 +34,10 @@ def failing_torchscript(folder: Path) -> ModelFailure:
         torch.jit.script(MatMul()).save(str(folder / "model.pt"))  # type: ignore[no-untyped-call]
     config = ModelConfig.from_dict("mm", {}, "torchscript")
     model = load_model(config, folder, "cpu")
-    loop = SimpleNamespace(config=config, model=model, _out_types={})
+    runner = BatchRunner(config.name, Layout.of(config), model, {}, {})
     inputs = {"a": np.ones((2, 3), np.float32), "b": np.ones((2, 3), np.float32)}
     with pytest.raises(ModelFailure) as caught:
-        InferenceLoop._predict(loop, inputs, 2, model)  # type: ignore[arg-type]
+        runner.predict(inputs, 2, model)
     return caught.value
 
 

@@ -14,9 +14,10 @@ model frees it forms the next batch from everything read meanwhile, launches it,
 then answers the batch that just finished. Redis stays on this thread. Without a model
 thread each step runs its batch to the end: what tests that drive the loop step by step use.
 
-Model failures are answered, never fatal. Out of memory halves the batch and the
-learned memory cap: on rows, or for a model with a padded axis on rows times the padded
-length (batching/memory.py). A CUDA error that poisons the context stops the process with the batch
+Model failures are answered, never fatal. Out of memory halves the batch
+(workers/batch_run.py, which runs a batch through the model) and the learned memory cap:
+on rows, or for a model with a padded axis on rows times the padded length
+(batching/memory.py). A CUDA error that poisons the context stops the process with the batch
 unacknowledged: the supervisor replaces it and another process re-runs the entries.
 """
 
@@ -24,21 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
-from batching.datatypes import from_numpy
-from batching.envelope import VERSION, Reply, Tensor
-from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unavailable
+from batching.envelope import Reply
+from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.histograms import execution_field
 from batching.keys import COMPUTE_PHASES, Keys
@@ -47,11 +42,9 @@ from batching.policy_choice import make_policy
 from batching.service_rate import ServiceRate
 from workers.backends import (
     LoadedModel,
-    error_summary,
-    is_fatal_device_error,
-    is_out_of_memory,
 )
 from workers.batch_report import BatchListener, BatchReport, failure
+from workers.batch_run import BatchRunner, Outcome
 from workers.model_thread import ModelThread
 from workers.shared_state import SharedState
 from workers.stream_port import ReclaimPort, StreamPort
@@ -67,35 +60,8 @@ POLL_S = 0.001
 (at least; an eighth of the last batch's time for a slow model)."""
 FATAL_EXIT_CODE = 3
 
-Arrays = dict[str, npt.NDArray[Any]]
-
-
 def _no_events(report: BatchReport) -> None:
     """The default listener: nobody is told."""
-
-
-class DeviceLost(Exception):
-    """The device context is unusable; only a new process can recover."""
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """One batch run by the model, for the loop's thread to answer and count."""
-
-    batch: Batch
-    started: float
-    answered: list[tuple[Entry, Reply]] = field(default_factory=list)
-    finished: float = 0.0
-    phase_ns: list[int] = field(default_factory=lambda: [0, 0, 0])
-    """Nanoseconds spent stacking inputs, in the model, and splitting and packing outputs
-    (Triton's compute_input, compute_infer, compute_output)."""
-    fits: list[tuple[bool, int, int]] = field(default_factory=list)
-    """Each predict's rows, its padded length (1 without a padded axis) and whether they
-    fitted in device memory, in order: the memory cap learns from them on the loop's
-    thread."""
-    prep_s: float | None = None
-    """Run on the loop's thread: the CPU seconds that thread spent since the previous batch
-    was answered (reading, decoding, forming this one). None: run on the model thread."""
 
 
 class InferenceLoop:
@@ -136,7 +102,7 @@ class InferenceLoop:
         self.stopping = False
         self._lone = False
         """The last batch was :attr:`Batch.lone`."""
-        self._model: ModelThread[_Outcome] | None = (
+        self._model: ModelThread[Outcome] | None = (
             ModelThread(f"model-{config.name}") if pipelined else None)
         self._running = 0.0
         """When the batch on the model thread started (time.monotonic())."""
@@ -159,7 +125,8 @@ class InferenceLoop:
         """This thread's CPU time when the last batch's answers were sent."""
         self.service = ServiceRate()
         """Rows per second of running batches, published with the heartbeat."""
-        self._out_types = {t.name: t.datatype for t in config.outputs}
+        self.runner = BatchRunner(config.name, self.former.layout, model, self.versions,
+                                  {t.name: t.datatype for t in config.outputs})
 
     def apply_control(self, overrides: dict[str, int]) -> None:
         """Run-time batching knobs (Celery's ``conveyor_set_batching``), without a restart.
@@ -354,20 +321,20 @@ class InferenceLoop:
         self._learn_fits(done)
         self._finish(done)
 
-    def _execute(self, batch: Batch) -> _Outcome:
+    def _execute(self, batch: Batch) -> Outcome:
         """Run ``batch`` through the model (on the model thread when pipelined): touches
         nothing the loop's thread uses but ``shared.busy_since``, which the supervisor
         watches for hangs."""
         self.shared.busy_since = time.monotonic()
-        done = _Outcome(batch, time.time())
+        done = Outcome(batch, time.time())
         try:
-            done.answered = self._run_entries(batch.entries, done)
+            done.answered = self.runner.run_entries(batch.entries, done)
         finally:
             self.shared.busy_since = 0.0
         done.finished = time.time()
         return done
 
-    def _learn_fits(self, done: _Outcome) -> None:
+    def _learn_fits(self, done: Outcome) -> None:
         """What the batch showed of device memory, in the order it happened."""
         for fitted, rows, width in done.fits:
             if not fitted:
@@ -378,7 +345,7 @@ class InferenceLoop:
                 self.row_cap.on_success(rows)
         self._publish_cap()
 
-    def _finish(self, done: _Outcome) -> None:
+    def _finish(self, done: Outcome) -> None:
         """Answer a batch the model ran, and count it."""
         batch, started, finished = done.batch, done.started, done.finished
         self.batches += 1
@@ -399,7 +366,7 @@ class InferenceLoop:
         self._last_answered = answered
         self._cpu_mark = time.thread_time()
 
-    def _service_s(self, done: _Outcome, answered: float) -> float:
+    def _service_s(self, done: Outcome, answered: float) -> float:
         """What the batch cost the whole path, as the adaptive policy learns it: on the
         loop's thread, its run and answers plus the CPU spent reading and forming it; on the
         model thread, whose reads overlap the model, the time since the previous answers
@@ -407,104 +374,6 @@ class InferenceLoop:
         if done.prep_s is not None:
             return answered - done.started + done.prep_s
         return answered - max(self._last_answered, done.started)
-
-    def _run_entries(self, entries: list[Entry], done: _Outcome) -> list[tuple[Entry, Reply]]:
-        rows = sum(e.rows for e in entries)
-        batch = Batch(entries, "", self.former.layout)
-        width = batch.width
-        phases = done.phase_ns
-        begun = time.perf_counter_ns()
-        try:
-            inputs = batch.stacked_inputs()
-            stacked = time.perf_counter_ns()
-            phases[0] += stacked - begun
-            outputs = self._predict(inputs, rows, self._model_for(entries[0]))
-            phases[1] += time.perf_counter_ns() - stacked
-        except ConveyorError as exc:
-            return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
-                    for e in entries]
-        except _OutOfMemory:
-            done.fits.append((False, rows, width))
-            if len(entries) == 1:
-                return [(entries[0], self._oom_alone(entries[0], done))]
-            half = len(entries) // 2
-            return (self._run_entries(entries[:half], done)
-                    + self._run_entries(entries[half:], done))
-        done.fits.append((True, rows, width))
-        exec_ms = (time.time() - done.started) * 1000.0
-        splitting = time.perf_counter_ns()
-        answered = []
-        for entry, own in zip(entries, batch.split(outputs), strict=True):
-            wanted = entry.request.outputs
-            tensors = [Tensor.from_array(name, arr, self._out_types.get(name))
-                       for name, arr in own.items() if not wanted or name in wanted]
-            answered.append((entry, Reply(
-                entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
-                queue_ms=max(0.0, done.started * 1000.0 - entry.request.enq_ms))))
-        phases[2] += time.perf_counter_ns() - splitting
-        return answered
-
-    def _oom_alone(self, entry: Entry, done: _Outcome) -> Reply:
-        """One request out of memory: bisect its rows; a single row that fails, fails alone."""
-        try:
-            alone = Batch([entry], "", self.former.layout)
-            outputs = self._predict_halves(alone.stacked_inputs(), entry.rows, alone.width,
-                                           done, self._model_for(entry))
-        except _OutOfMemory:
-            error = ModelFailure(f"model {self.config.name!r} ran out of device memory on a "
-                                 "single row of this request")
-            return Reply(entry.request.id, error_code=error.code, error=error.message)
-        except ConveyorError as exc:
-            return Reply(entry.request.id, error_code=exc.code, error=exc.message)
-        wanted = entry.request.outputs
-        return Reply(entry.request.id, [Tensor.from_array(n, a, self._out_types.get(n))
-                                        for n, a in outputs.items() if not wanted or n in wanted],
-                     batch_rows=entry.rows)
-
-    def _predict_halves(self, inputs: Arrays, rows: int, width: int, done: _Outcome,
-                        model: LoadedModel) -> Arrays:
-        try:
-            return self._predict(inputs, rows, model)
-        except _OutOfMemory:
-            done.fits.append((False, rows, width))
-            if rows <= 1:
-                raise
-            half = rows // 2
-            first = self._predict_halves({k: v[:half] for k, v in inputs.items()}, half, width,
-                                         done, model)
-            second = self._predict_halves({k: v[half:] for k, v in inputs.items()},
-                                          rows - half, width, done, model)
-            return {k: np.concatenate([first[k], second[k]]) for k in first}
-
-    def _model_for(self, entry: Entry) -> LoadedModel:
-        """The loaded version the entry asked for (a batch holds one version only)."""
-        version = entry.request.params.get(VERSION)
-        if not version:
-            return self.model
-        model = self.versions.get(version)
-        if model is None:  # admitted under a configuration this process does not run
-            raise Unavailable(f"model {self.config.name!r} version {version} is not loaded "
-                              "by this process (the model is being reloaded)")
-        return model
-
-    def _predict(self, inputs: Arrays, rows: int, model: LoadedModel) -> Arrays:
-        try:
-            outputs = model.predict(inputs)
-        except ConveyorError:
-            raise
-        except Exception as exc:  # the model's own failure: answered, never fatal here
-            if is_out_of_memory(exc):
-                _free_device_cache()
-                raise _OutOfMemory() from exc
-            if is_fatal_device_error(exc):
-                raise DeviceLost(str(exc)) from exc
-            log.exception("model %s failed on a batch of %d rows", self.config.name, rows)
-            raise ModelFailure(f"model {self.config.name!r} failed: "
-                               f"{error_summary(exc)}") from exc
-        for name, arr in outputs.items():
-            if name not in self._out_types:
-                self._out_types[name] = from_numpy(arr.dtype)
-        return outputs
 
     def _publish_cap(self) -> None:
         self.shared.row_cap = self.policy.row_cap = self.row_cap.cap
@@ -531,18 +400,6 @@ class InferenceLoop:
         self.streams.answer(
             [(e, Reply(e.request.id, error_code=exc.code, error=exc.message)) for e in entries],
             {"fail_count": len(entries), "fail_ns": fail_ns, **(extra or {})})
-
-
-class _OutOfMemory(Exception):
-    """Raised inside the loop once the device's cache is freed; the row cap learns of it
-    on the loop's thread (:attr:`_Outcome.fits`)."""
-
-
-def _free_device_cache() -> None:
-    """After an out-of-memory error, give the allocator's cached blocks back to the device."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: float,

@@ -29,9 +29,10 @@ from batching.repository_scan import (
 )
 from batching.settings import Settings
 from workers.backends import load_model
+from workers.batch_run import DeviceLost
 from workers.events import make_batch_events
 from workers.heartbeat import Heartbeat
-from workers.inference import BLOCK_MS, FATAL_EXIT_CODE, DeviceLost, InferenceLoop
+from workers.inference import BLOCK_MS, FATAL_EXIT_CODE, InferenceLoop
 from workers.recovery import Reclaimer
 from workers.shared_state import ProcState, SharedState
 from workers.streams import ModelStreams

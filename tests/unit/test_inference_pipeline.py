@@ -21,7 +21,8 @@ import pytest
 from batching.config import BatchingConfig, ModelConfig, TensorSpec
 from batching.envelope import Reply, Request, Tensor
 from batching.keys import Keys
-from workers.inference import DeviceLost, InferenceLoop
+from workers.batch_run import DeviceLost
+from workers.inference import InferenceLoop
 from workers.memory_streams import MemoryReclaimer, MemoryStreams
 from workers.shared_state import SharedState
 
