@@ -101,8 +101,7 @@ class _App:
         return GrpcCall(self.env, conn, stream_id, headers)
 
     def connection(self, limits: Limits) -> H2Connection:
-        conn = _TrackedConnection(self, limits)
-        return conn
+        return _TrackedConnection(self, limits)
 
 
 class _TrackedConnection(H2Connection):
