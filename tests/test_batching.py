@@ -45,13 +45,15 @@ def outputs(response: httpx.Response) -> dict[str, np.ndarray]:
 
 def test_priority_one_overtakes_a_priority_three_backlog(stack: Stack) -> None:
     log = Path(stack.extra_env["ECHO_LOG"] + ".ordered")
-    backlog = [float(v) for v in range(100, 124)]  # 12 batches of 2 at 100 ms each
+    # 24 batches of 2 at 100 ms each: 2.4 s for the urgent requests to arrive (a busy CI
+    # host once took over 1.2 s, and the backlog had drained)
+    backlog = [float(v) for v in range(100, 148)]
     urgent = [1.0, 2.0]
     with ThreadPoolExecutor(len(backlog) + len(urgent)) as pool:
         done = [pool.submit(post, stack, "ordered", "x", np.array([[v]], np.float32), "FP32",
                             priority=3) for v in backlog]
         backlog_stream = f"{stack.prefix}:{{ordered}}:q:3"
-        wait_for(lambda: stack.redis().xlen(backlog_stream) >= 10, 10,
+        wait_for(lambda: stack.redis().xlen(backlog_stream) >= 20, 10,
                  "the backlog to queue up")
         done += [pool.submit(post, stack, "ordered", "x", np.array([[v]], np.float32), "FP32",
                              priority=1) for v in urgent]

@@ -186,7 +186,9 @@ def test_sigstop_hang_times_out_and_the_process_is_replaced(chaos_stack: Stack) 
     assert all(o.status in (200, 504, 503) for o in outcomes), {o.error for o in outcomes}
     timeouts = [o for o in outcomes if o.status == 504]
     assert timeouts, "requests queued behind the hung process should time out"
-    assert max(o.took for o in timeouts) < 1.0 + 0.5
+    # answered at their 1 s deadline, not held until the process is replaced (over 7 s);
+    # a throttled CI host once took 1.73 s to deliver a 504
+    assert max(o.took for o in timeouts) < 1.0 + 1.5
     assert replaced < 3 + 2 + 2 + 5  # execution_timeout_s + grace + back-off + reload
     assert any(o.status == 200 and o.sent > stopped_at + replaced for o in outcomes)
     quiesced(stack)

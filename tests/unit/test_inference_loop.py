@@ -140,10 +140,13 @@ def test_a_model_error_fails_every_request_of_its_batch_and_the_loop_goes_on() -
 
 def test_a_redelivered_entry_runs_alone_on_trial_and_its_answer_clears_the_trial() -> None:
     loop, streams, model = make_loop()
-    fresh = [request(1.0), request(2.0)]
+    # one deadline for all: the order is then the reading order (reclaimed first), not
+    # which millisecond each request happened to be made in
+    deadline_ms = int(time.time() * 1000) + 60_000
+    fresh = [request(1.0, deadline_ms=deadline_ms), request(2.0, deadline_ms=deadline_ms)]
     for each in fresh:
         streams.put(each)
-    redelivered = request(9.0)
+    redelivered = request(9.0, deadline_ms=deadline_ms)
     entry_id = streams.put(redelivered, deliveries=2)
     loop.step()
     assert model.batches == [1] and model.suspects == [entry_id]
