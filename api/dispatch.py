@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
@@ -115,7 +116,10 @@ class Dispatcher:
             await asyncio.gather(self._keeper, return_exceptions=True)
         self._drop_links()
         self._fail_waiting(Unavailable("the API is shutting down"))
-        await self._redis.aclose()
+        try:
+            await self._redis.aclose()
+        except (RedisError, OSError) as exc:  # a slow or gone Redis must not stop the shutdown
+            log.info("closing the Redis client: %s", exc)
 
     async def submit(self, admission: Admission, request: Request, timeout_s: float) -> Reply:
         """Admit ``request`` to its stream and wait for its reply until ``timeout_s``.

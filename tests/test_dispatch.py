@@ -12,6 +12,7 @@ from typing import cast
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.dispatch import REQUEST_ADMIT, Admission, Dispatcher
 from batching.envelope import FIELD, Reply, Request, Tensor
@@ -269,3 +270,17 @@ def test_losing_redis_fails_waiting_requests_then_reconnects(server: RedisServer
         assert (await again).id == sent.id
         await fresh.aclose()
     run(server, body)
+
+
+def test_a_redis_client_that_fails_to_close_does_not_stop_the_shutdown(
+        server: RedisServer) -> None:
+    async def main() -> None:
+        dispatcher = Dispatcher(server.url, KEYS)
+        await dispatcher.start()
+
+        async def timed_out(close_connection_pool: bool | None = None) -> None:
+            raise RedisTimeoutError("Timed out closing connection after 0.5")
+
+        dispatcher._redis.aclose = timed_out  # type: ignore[method-assign]
+        await dispatcher.close()  # logged, not raised
+    asyncio.run(main())
