@@ -69,6 +69,10 @@ def test_adaptive_keeps_goodput_past_capacity_and_ties_near_it(tmp_path: Path) -
             past *= 1.5  # the host got quicker than the capacity measured: not past it yet
             fixed_past = point(stack, fixed_0, past, capacity)
     assert fixed_past.goodput < 0.9 * fixed_past.offered, f"never past capacity: {fixed_past.line()}"
+    if fixed_near.goodput < 0.5 * fixed_near.offered:
+        # Below capacity, half the load answered late: the host slowed down after measuring
+        # its capacity (a throttled machine did, 6x), so no ordering can be read from it.
+        pytest.skip(f"the host fell far below its measured capacity: {fixed_near.line()}")
     with serving(repo, tmp_path, adaptive) as stack:
         closed_rps(stack, 64, 1.0)
         adaptive_near = point(stack, adaptive, NEAR, capacity)
