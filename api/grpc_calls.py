@@ -38,9 +38,6 @@ _ENCODINGS = {"gzip": 31, "deflate": 15}  # zlib wbits of each grpc-encoding
 ACCEPT_ENCODING = "identity,deflate,gzip"
 _READ = (":path", ":method", "content-type", "grpc-timeout", "grpc-encoding", "authorization")
 """The request headers a call reads itself."""
-_NOT_METADATA = frozenset({"te", "grpc-accept-encoding", "user-agent", "content-type",
-                           "grpc-timeout", "grpc-encoding"})
-"""Request headers that are transport, not the call's metadata (``authorization`` is both)."""
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 """grpc-message percent-encodes all but printable ASCII, and ``%`` itself."""
 
@@ -61,25 +58,14 @@ class Abort(Exception):
 
 
 class Context:
-    """What a servicer's behaviour may ask of its call (the part of grpc.aio's context
-    conveyor's servicers use)."""
-
-    __slots__ = ("_deadline", "_metadata")
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...], deadline: float | None) -> None:
-        self._metadata = metadata
-        self._deadline = deadline
+    """What a servicer's behaviour may ask of its call: the part of grpc.aio's context
+    conveyor's servicers use (``abort``). It holds nothing, so all calls share one."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise Abort(_CODES[code], details)
 
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
 
-    def time_remaining(self) -> float | None:
-        if self._deadline is None:
-            return None
-        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+CONTEXT = Context()
 
 
 def status_block(code: int, message: str, head: bool) -> bytes:
@@ -124,7 +110,6 @@ class GrpcCall:
         "_head_sent",
         "_held",
         "_id",
-        "_metadata",
         "_method",
         "_queue",
         "_refusal",
@@ -145,16 +130,12 @@ class GrpcCall:
         self._refusal: Abort | None = None
         self._timer: asyncio.TimerHandle | None = None
         read = dict.fromkeys(_READ, "")
-        metadata = []
         for name, value in headers:
             if name in read:
                 read[name] = value
-            if name[0] != ":" and name not in _NOT_METADATA:
-                metadata.append((name, value))
         path, method_verb, content_type = read[":path"], read[":method"], read["content-type"]
         timeout, encoding, credentials = (read["grpc-timeout"], read["grpc-encoding"],
                                           read["authorization"])
-        self._metadata = tuple(metadata)
         self._method: Method | None = None
         try:
             if method_verb != "POST" or not content_type.startswith("application/grpc"):
@@ -289,7 +270,7 @@ class GrpcCall:
     async def _run(self, request: Message | None) -> None:
         method = self._method
         assert method is not None
-        context = Context(self._metadata, self._deadline)
+        context = CONTEXT
         argument = self._requests() if request is None else request
         try:
             async with asyncio.timeout_at(self._deadline):
