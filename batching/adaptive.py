@@ -23,11 +23,13 @@ asks while nothing runs):
 * ``t(n)`` is the whole path of a batch, not the model alone: the time from when the loop
   could start on it (the previous answer sent, or its last row read) to its answers sent,
   so reading, decoding, splitting and answering count as they do for the clients.
-* A waiting request whose deadline falls before ``t(n)`` from now, plus a reserve of
-  ``shed_reserve × latency_target`` for the path outside the inference process, cannot be
-  answered in time: it is answered at once with a deadline error instead of run late
-  (:meth:`AdaptivePolicy.shed_horizon_s`), so past capacity the device spends itself on
-  requests that can still make it, and goodput stays near capacity.
+* Past capacity, a batch of ``n`` rows is answered ``t(n)`` plus a reserve of
+  ``shed_reserve × latency_target`` (the path outside the inference process) from now
+  (:meth:`AdaptivePolicy.shed_horizon_s`). The inference loop runs the largest batch whose
+  rows all make it, and answers at once with a deadline error the waiting requests that
+  batch cannot answer in time (batching/shedding.py), instead of running them late: the
+  device spends itself on requests that can still make it, and goodput stays near
+  capacity.
 * ``max_batch_size`` and the learned ``row_cap`` bound every batch; with
   ``preferred_batch_sizes`` a ready preferred size goes unless the next one can still be
   reached in time.
@@ -235,16 +237,10 @@ class AdaptivePolicy:
 
     def shed_horizon_s(self, rows: int) -> float:
         """``t(rows)`` plus the reserve for the path outside, once the fit has seen enough
-        batches to trust (else 0: shed nothing), for at most the rows a batch may hold, and
-        at most the rows that fit in the latency target: where a full batch takes longer
-        than the target, judging by it would shed requests that a smaller batch still
-        answers in time."""
+        batches to trust (else 0: shed nothing), for at most the rows a batch may hold."""
         if self.latency.samples < self.trusted_after:
             return 0.0
-        a, b = self.latency.a, self.latency.b
         rows = min(rows, effective_cap(self.max_rows, self.row_cap))
-        if b > 0.0:
-            rows = min(rows, math.floor((self.latency_target_s - a) / b))
         return self.latency.predict(max(1, rows)) + self.shed_reserve * self.latency_target_s
 
     def _hidden_wait(self, first_seen: float) -> float:

@@ -13,7 +13,7 @@ entries oldest first. Without it priority is strict, and a busy level 1 starves 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import numpy.typing as npt
 from batching.config import ModelConfig
 from batching.envelope import VERSION, Request, split_rows
 from batching.policy import Decision, Policy
+from batching.shedding import rows_in_time
 
 
 @dataclass(slots=True)
@@ -236,6 +237,15 @@ class BatchFormer:
         if expired:
             self._pending = [e for e in self._pending if e.deadline > now]
         return expired
+
+    def take_unanswerable(self, now: float, horizon: Callable[[int], float],
+                          cap: int) -> tuple[list[Entry], int]:
+        """Past capacity: remove and return the entries that no batch started now can answer
+        in time, and the rows the next batch may hold so that all of them make it
+        (batching/shedding.py; 0 when not even a lone row can)."""
+        rows, threshold = rows_in_time(((e.deadline, e.rows) for e in self._pending), now,
+                                       horizon, cap)
+        return self.take_expired(threshold), rows
 
     def _fitting(self, group: list[Entry]) -> list[Entry]:
         """The leading entries of ``group`` whose rows times their longest padded length

@@ -44,9 +44,9 @@ class Policy(Protocol):
 
     def shed_horizon_s(self, rows: int) -> float:
         """How long a batch of ``rows`` started now would take to be answered, when the
-        policy knows: a waiting entry whose deadline falls sooner cannot be answered in time
-        and is answered at once with an error instead of run late. 0: only entries whose
-        deadline has already passed are (Triton's rule)."""
+        policy knows: past capacity, an entry that no such batch answers before its deadline
+        is answered at once with an error instead of run late (batching/shedding.py). 0:
+        only entries whose deadline has already passed are (Triton's rule)."""
         ...
 
 

@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from batching.adaptive import AdaptivePolicy
 from batching.policy import Decision, FixedWindow, Policy
+from batching.shedding import rows_in_time
 
 POLL_S = 0.001
 """The inference loop's longest local sleep between reads while a policy waits."""
@@ -217,15 +218,19 @@ def run_loop(arrivals: Sequence[float] | Stream, device: Device, policy: Policy,
         if got:
             pending.extend((t, now) for t in got)
             policy.observe_arrivals(len(got), now)
-        horizon = now + (policy.shed_horizon_s(min(len(pending), max_rows)) if backlog else 0.0)
-        while pending and pending[0][0] + timeout_s <= horizon:
+        threshold, in_time = now, max_rows
+        if backlog and policy.shed_horizon_s(1) > 0.0:
+            in_time, threshold = rows_in_time(((t + timeout_s, 1) for t, _ in pending), now,
+                                              policy.shed_horizon_s, max_rows)
+            in_time = in_time or max_rows
+        while pending and pending[0][0] + timeout_s <= threshold:
             pending.popleft()  # answered with a timeout, never run
             expired += 1
         if not pending:
             continue
         decision: Decision = policy.decide(now, len(pending), pending[0][1], pending[0][0] + timeout_s)
         if decision.dispatch:
-            rows = min(len(pending), decision.max_rows or max_rows)
+            rows = min(len(pending), decision.max_rows or max_rows, in_time)
             took = device.seconds(rows) + overhead_s
             now += took
             done.extend(now - pending.popleft()[0] for _ in range(rows))

@@ -115,6 +115,9 @@ class InferenceLoop:
         self._backlog_since: float | None = None
         """Since when every read took all the rows there was room for (None: the last one
         did not): more is waiting. Past capacity once it has lasted ``_sustained_s``."""
+        self._in_time_rows = 0
+        """Past capacity, the most rows the next batch may hold so that all of them are
+        answered in time (0: no such bound now)."""
         self._sustained_s = config.batching.latency_target_ms / 1000.0
         """A backlog shorter than the latency target is a burst the queue absorbs (its
         requests wait, and still make it); one that lasts it is more than this process
@@ -228,25 +231,28 @@ class InferenceLoop:
         expired = self.former.take_expired(now)
         if expired:
             self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
+        self._in_time_rows = 0
         since = self._backlog_since
         if not len(self.former) or since is None or now - since < self._sustained_s:
             return
-        horizon = self.policy.shed_horizon_s(min(self.former.pending_rows, self.row_cap.cap))
-        if horizon <= 0.0:
+        horizon = self.policy.shed_horizon_s
+        if horizon(1) <= 0.0:
             return
-        late = self.former.take_expired(now + horizon)
+        late, self._in_time_rows = self.former.take_unanswerable(now, horizon, self.row_cap.cap)
         if late:
+            took = horizon(max(self._in_time_rows, 1))
             self._answer_error(late, DeadlineExceeded(
                 f"cannot be answered before its deadline: a batch takes about "
-                f"{horizon * 1e3:.1f} ms here now"), {"shed_count": len(late)})
+                f"{took * 1e3:.1f} ms here now"), {"shed_count": len(late)})
 
     def _form(self, now: float) -> Batch | None:
         """The batch the policy dispatches now (all that waits when stopping), if any."""
         decision = self.former.decide(now)
         if not len(self.former) or not (decision.dispatch or self.stopping):
             return None
+        cap = min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)
         return self.former.take(decision.reason or "drain",
-                                min(decision.max_rows or self.row_cap.cap, self.row_cap.cap))
+                                min(cap, self._in_time_rows or cap))
 
     def _start(self, batch: Batch) -> None:
         """Pipelined, launch ``batch`` on the model thread; else, or when it is on trial,

@@ -16,6 +16,7 @@ from batching.config import BatchingConfig, ModelConfig, TensorSpec
 from batching.envelope import Request, Tensor
 from batching.keys import Keys
 from batching.policy import FixedWindow
+from batching.shedding import rows_in_time
 from bench.open_loop import poisson
 from bench.scheduler_sim import Device, run_loop
 from workers.inference import InferenceLoop
@@ -153,10 +154,47 @@ def test_past_capacity_shedding_keeps_goodput_where_a_fixed_window_loses_it() ->
     assert adaptive.goodput(target) > fixed.goodput(target) + 0.05
 
 
-def test_where_a_full_batch_overruns_the_target_the_horizon_is_the_batch_that_fits() -> None:
-    policy = AdaptivePolicy(64, 0.02, latency_target_s=0.05)
-    for rows in (1, 16, 32, 64) * 4:
-        policy.observe_batch(rows, 0.012 + 0.0007 * rows, 1.0)
+def test_the_largest_batch_whose_rows_all_make_it_is_chosen_and_only_the_rest_shed() -> None:
+    def horizon(rows: int) -> float:
+        return 0.010 + 0.001 * rows  # a batch of n rows is answered 10 ms + 1 ms per row from now
+
+    # 40 rows, one per entry, with 1 ms to 40 ms left: a batch of 40 would take 50 ms.
+    deadlines = [(100.0 + k / 1000, 1) for k in range(1, 41)]
+    rows, threshold = rows_in_time(deadlines, 100.0, horizon, 64)
+    # n rows fit while the n-th latest deadline (41 - n ms away) is at least 10 + n ms away.
+    assert rows == 15 and abs(threshold - 100.025) < 1e-9
+    assert rows_in_time(deadlines, 100.0, horizon, 8) == (8, 100.0 + horizon(8))
+    # An entry's rows count as many: one entry of 30 rows with 45 ms left fits as a whole.
+    assert rows_in_time([(100.045, 30)], 100.0, horizon, 64)[0] == 30
+    # Nothing fits, not even one row: only what a lone row would miss goes.
+    rows, threshold = rows_in_time([(100.005, 1), (100.008, 1)], 100.0, horizon, 64)
+    assert rows == 0 and abs(threshold - 100.011) < 1e-9
+
+
+def test_where_a_full_batch_would_miss_every_deadline_a_smaller_one_still_runs() -> None:
+    """On a slow host a full batch takes about the whole latency target: shedding what it
+    cannot answer in time would shed everything (it once did, and lost half the goodput
+    near capacity). The loop runs the largest batch whose rows make it instead."""
+    loop, streams, model = make_loop(adaptive=True, target_ms=100.0)
+    policy = loop.policy
+    assert isinstance(policy, AdaptivePolicy)
     policy.shed_reserve = 0.0
-    fits = policy.shed_horizon_s(64)
-    assert fits <= 0.05 and abs(fits - (0.012 + 0.0007 * 54)) < 0.001
+    policy.latency.forget = 1.0  # so that the one quick batch run below barely moves it
+    for rows in (1, 4, 8) * 100:  # t(n) = 20 ms + 10 ms per row: t(8) = 100 ms
+        policy.observe_batch(rows, 0.020 + 0.010 * rows, time.time())
+    for _ in range(9):  # more than the 8 rows the process holds: a backlog begins
+        streams.put(request(60.0))
+    loop.step()
+    time.sleep(0.11)  # and outlasts the latency target
+    left_ms = (95, 88, 82, 76, 62, 56, 50)
+    ahead = [request(ms / 1000) for ms in left_ms]
+    for each in ahead:  # beside the one 60 s request the first step left waiting
+        streams.put(each)
+    loop.step()
+    got = {r.id: r for r in streams.replies(REPLY)}
+    # The n-th latest deadline must be 20 + 10·n ms away: n = 5 (60 s, 95, 88, 82, 76 ms
+    # against 70 ms), and what is due within t(5) = 70 ms is shed. A full batch of 8 would
+    # take 100 ms: judged by it, all seven would go.
+    assert model.ran == [8, 5]
+    assert [got[each.id].ok for each in ahead] == [True] * 4 + [False] * 3
+    assert streams.stats["shed_count"] == 3
