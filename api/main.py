@@ -87,6 +87,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
 
     async def sample_memory() -> None:
         service.metrics.sample_memory()
+        service.metrics.loop_lag.set(service.overload.lag_s)
 
     memory = Periodic("conveyor-memory", settings.heartbeat_interval_s, sample_memory)
     grpc_endpoint = grpc_server(service, repository, settings, guard) if grpc else None
@@ -98,6 +99,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         await watch.start()
         await shm.start()
         memory.start()
+        service.overload.start()
         if grpc_endpoint is not None:
             await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)
@@ -109,6 +111,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
             await grpc_endpoint.close()
         await repository.close()
         await memory.close()
+        await service.overload.close()
         await shm.close()
         await watch.close()
         await dispatcher.close()

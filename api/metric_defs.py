@@ -98,6 +98,16 @@ IN_FLIGHT = MetricDef(
     "waiting in the queue, running, or being encoded. Summed over the processes of one "
     "container (multiprocess mode `livesum`).",
     "api")
+LOOP_LAG = MetricDef(
+    "conveyor_api_event_loop_lag_seconds", "gauge", (),
+    "How late the API's event loop runs a timer, smoothed (the worst API process)",
+    "How late each API process's event loop runs a 5 ms timer, smoothed over about 25 ms, "
+    "sampled every `CONVEYOR_HEARTBEAT_INTERVAL_S`; the worst process of the container "
+    "(multiprocess mode `livemax`). A millisecond or two while the API keeps up. A request "
+    "waits about twice this long before the API reads it, and one that could no longer be "
+    "answered within its timeout is refused at once with 503 (code `overloaded`, "
+    "docs/operations.md).",
+    "api")
 
 # Read from Redis at scrape time.
 REDIS_UP = MetricDef(
@@ -291,7 +301,7 @@ RESIDENT_MEMORY = MetricDef(
     "heartbeats")
 
 ALL = (REDIS_UP, REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, REQUEST_BATCH_SIZE,
-       IN_FLIGHT, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
+       IN_FLIGHT, LOOP_LAG, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
        BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, WITHDRAWN, SHED, RESTARTS, JOB_ROWS,
        JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP, ARRIVAL_RATE,
        LATENCY_INTERCEPT, LATENCY_SLOPE, GPU_USED, GPU_TOTAL, RESIDENT_MEMORY)

@@ -95,6 +95,7 @@ class ApiMetrics:
         self.in_flight = Gauge(**_args(d.IN_FLIGHT), multiprocess_mode="livesum", registry=reg)
         self.memory = Gauge(**_args(d.RESIDENT_MEMORY), multiprocess_mode="livesum",
                             registry=reg).labels("api", "", "")
+        self.loop_lag = Gauge(**_args(d.LOOP_LAG), multiprocess_mode="livemax", registry=reg)
         self._protocols = {p: self.protocol_requests.labels(p) for p in PROTOCOLS}
         self._series: dict[str, ModelSeries] = {}
         self._shared = SharedState()

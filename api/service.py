@@ -14,6 +14,7 @@ from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.kserve import InferRequest
 from api.metrics import ApiMetrics
+from api.overload import Overload
 from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
 from batching.envelope import VERSION, WHOLE, Reply, Request
@@ -47,6 +48,8 @@ class InferenceService:
     """Model folders whose configuration failed, with the reason (api.repository_control too)."""
     shm: SharedMemory | None = None
     """System shared memory regions; None: a tensor that names one finds none."""
+    overload: Overload = field(default_factory=Overload)
+    """Refuses at once what this process can no longer answer in time (api/overload.py)."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
@@ -103,6 +106,7 @@ class InferenceService:
                     raise InvalidInput("parameters.timeout must be a non-negative number of µs")
                 if asked > 0:
                     timeout_ms = min(timeout_ms, asked / 1000.0)
+            self.overload.check(model, timeout_ms / 1000.0)
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,
@@ -132,6 +136,7 @@ class InferenceService:
             if regions is not None:
                 regions.close()
         self._count(model, "success", started)
+        self.overload.answered(model, time.perf_counter() - started)
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)
         series.batch_size.observe(reply.batch_rows)
