@@ -101,7 +101,7 @@ IN_FLIGHT = MetricDef(
 LOOP_LAG = MetricDef(
     "conveyor_api_event_loop_lag_seconds", "gauge", (),
     "How late the API's event loop runs a timer, smoothed (the worst API process)",
-    "How late each API process's event loop runs a 5 ms timer, smoothed over about 25 ms, "
+    "How late each API process's event loop runs a 5 ms timer, smoothed over about 50 ms, "
     "sampled every `CONVEYOR_HEARTBEAT_INTERVAL_S`; the worst process of the container "
     "(multiprocess mode `livemax`). A millisecond or two while the API keeps up. A request "
     "waits about twice this long before the API reads it, and one that could no longer be "

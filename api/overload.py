@@ -33,8 +33,9 @@ INTERVAL_S = 0.005
 """How often the loop's lateness is sampled."""
 KEEPING_UP_S = 0.005
 """A lag up to this long is a loop that keeps up: nothing is refused on it."""
-SMOOTHING = 0.2
-"""Weight of the newest sample: the lag follows the load within about 25 ms."""
+SMOOTHING = 0.1
+"""Weight of the newest sample: the lag follows the load within about 50 ms, and a single
+stall shorter than 50 ms (a busy host's scheduler) leaves it under ``KEEPING_UP_S``."""
 UNREAD_TURNS = 2.0
 """Loop turns a request waits, unseen, before the API reads it and starts its clock (the
 socket's turn, then the request task's): the unseen wait is about this many times the lag.
