@@ -36,6 +36,10 @@ KEEPING_UP_S = 0.005
 SMOOTHING = 0.1
 """Weight of the newest sample: the lag follows the load within about 50 ms, and a single
 stall shorter than 50 ms (a busy host's scheduler) leaves it under ``KEEPING_UP_S``."""
+PROBE_S = 0.01
+"""While refusing, one request of each model still goes through every this often, so that
+the time requests take stays measured: judged by the last ones that were served, without
+new ones, a refusal would never end."""
 UNREAD_TURNS = 2.0
 """Loop turns a request waits, unseen, before the API reads it and starts its clock (the
 socket's turn, then the request task's): the unseen wait is about this many times the lag.
@@ -51,6 +55,10 @@ class Overload:
     """Per model, the smoothed time its successful requests took in this process."""
     interval_s: float = INTERVAL_S
     """How often the lag is sampled."""
+    probe_s: float = PROBE_S
+    """While refusing, one request of each model goes through this often."""
+    _passed: dict[str, float] = field(default_factory=dict)
+    """Per model, when a request last went through (time.monotonic())."""
     _task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -76,7 +84,11 @@ class Overload:
             return
         unread = UNREAD_TURNS * self.lag_s
         expected = unread + self.took_s.get(model, 0.0)
-        if expected > timeout_s:
+        now = time.monotonic()
+        last = self._passed.get(model)
+        if expected <= timeout_s or last is None or now - last >= self.probe_s:
+            self._passed[model] = now
+        else:
             raise Overloaded(
                 f"this API process is overloaded: a request now takes about "
                 f"{expected * 1e3:.0f} ms to answer here ({unread * 1e3:.0f} ms of it waiting "

@@ -25,13 +25,25 @@ def test_a_loop_that_keeps_up_refuses_nothing_whatever_the_requests_took() -> No
 
 
 def test_behind_a_request_that_would_be_late_is_refused_and_one_with_time_is_not() -> None:
-    overload = Overload(lag_s=0.020)
+    overload = Overload(lag_s=0.020, probe_s=3600.0)
     overload.answered("m", 0.030)
     overload.answered("m", 0.030)
     overload.check("m", 0.100)  # twice the lag unread plus 30 ms: 70 ms
     with pytest.raises(Overloaded, match=r"about 70 ms .*\(40 ms of it waiting to be read\)"):
         overload.check("m", 0.050)
     overload.check("other", 0.050)  # nothing known of it but the lag: 40 ms
+
+
+def test_while_refusing_one_request_per_probe_interval_still_goes_through() -> None:
+    """Else the time requests take would stay what the last served ones took, and a
+    refusal that began would never end."""
+    overload = Overload(lag_s=0.020, probe_s=3600.0)
+    overload.answered("m", 0.030)
+    overload.check("m", 0.050)  # the first since the lag began: it goes, and is measured
+    with pytest.raises(Overloaded):
+        overload.check("m", 0.050)
+    overload.probe_s = 0.0
+    overload.check("m", 0.050)
 
 
 def test_the_time_requests_took_is_smoothed() -> None:
@@ -73,6 +85,8 @@ def test_the_api_answers_503_with_retry_after_without_reaching_the_dispatcher(
         overload.interval_s = 3600.0  # the sampler sleeps: the lag stays as set here
         time.sleep(0.02)
         overload.lag_s, overload.took_s["echo"] = 0.040, 0.030
+        overload.probe_s = 3600.0
+        overload.check("echo", 1.0)  # a request went through just now: no probe is due
         x = np.ones((1, 4), np.float32).ravel().tolist()
 
         def infer(timeout_us: int) -> tuple[int, dict[str, str], dict[str, str]]:
