@@ -37,8 +37,9 @@ class ModelNotFound(ConveyorError):
 
 
 class Overloaded(ConveyorError):
-    """The model's queue is full. 503 / UNAVAILABLE, as Triton answers it (clients retry
-    on those codes), with ``Retry-After`` over HTTP."""
+    """The model's queue is full, or the API process is too far behind to answer in time
+    (api/overload.py). 503 / UNAVAILABLE, as Triton answers a full queue (clients retry on
+    those codes), with ``Retry-After`` over HTTP."""
 
     code = "overloaded"
     http_status = 503
