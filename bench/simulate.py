@@ -1,4 +1,4 @@
-"""The batching simulator's tables (``bench.scheduler_sim``), printed or written into the docs.
+"""The batching simulator's tables (``bench.sim_scenarios``), printed or written into the docs.
 
 Usage: python -m bench.simulate [--duration S] [--seed N] [--write [docs/batching.md]]
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.scheduler_sim import report
+from bench.sim_scenarios import report
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "batching.md"

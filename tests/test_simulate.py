@@ -5,25 +5,18 @@ from pathlib import Path
 import pytest
 
 from batching.policy import FixedWindow
-from bench.scheduler_sim import (
+from bench.peer_batchers import LitServeWindow, run_cork
+from bench.scheduler_sim import KNEE, LINEAR, ClosedStream, Device, poisson, run_loop, traces
+from bench.sim_scenarios import (
     CLOSED_SCENARIO,
     CONTENDERS,
     FIXED,
-    KNEE,
-    LINEAR,
     OPEN_SCENARIOS,
-    ClosedStream,
-    Device,
-    LitServeWindow,
     Result,
     Scenario,
     evaluate,
     evaluate_closed,
-    poisson,
     report,
-    run_cork,
-    run_loop,
-    traces,
 )
 from bench.simulate import BEGIN, END, write_into
 
