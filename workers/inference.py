@@ -35,8 +35,7 @@ from batching.config import ModelConfig
 from batching.envelope import Reply
 from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
 from batching.former import Batch, BatchFormer, Entry, Layout
-from batching.histograms import execution_field
-from batching.keys import COMPUTE_PHASES, Keys
+from batching.keys import Keys
 from batching.memory import UNBOUNDED, RowCap
 from batching.policy_choice import make_policy
 from batching.service_rate import ServiceRate
@@ -45,6 +44,7 @@ from workers.backends import (
 )
 from workers.batch_report import BatchListener, BatchReport, failure
 from workers.batch_run import BatchRunner, Outcome
+from workers.batch_stats import batch_counters
 from workers.model_thread import ModelThread
 from workers.shared_state import SharedState
 from workers.stream_port import ReclaimPort, StreamPort
@@ -358,7 +358,7 @@ class InferenceLoop:
         self.rows += batch.rows
         self.service.observe(batch.rows, finished - started)
         self._lone = batch.lone
-        counters = _batch_counters(done.answered, batch.rows, started, finished, done.phase_ns)
+        counters = batch_counters(done.answered, batch.rows, started, finished, done.phase_ns)
         counters[f"reason:{batch.reason}"] = 1
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
         self.streams.note("last_inference", int(finished * 1000))
@@ -406,36 +406,3 @@ class InferenceLoop:
         self.streams.answer(
             [(e, Reply(e.request.id, error_code=exc.code, error=exc.message)) for e in entries],
             {"fail_count": len(entries), "fail_ns": fail_ns, **(extra or {})})
-
-
-def _batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: float,
-                    finished: float, phase_ns: list[int]) -> dict[str, int]:
-    """Triton-style statistics of one executed batch, added to the model's stats hash.
-
-    Like Triton, each request in the batch is charged the batch's compute phases."""
-    exec_ns = int((finished - started) * 1e9)
-    ok = [e for e, reply in answered if reply.ok]
-    failed = [e for e, reply in answered if not reply.ok]
-    n = len(answered)
-
-    def since_enqueued_ns(entries: list[Entry], until: float) -> int:
-        return sum(int(max(0.0, until * 1000.0 - e.request.enq_ms) * 1e6) for e in entries)
-
-    counters = {
-        "inference_count": rows,
-        "execution_count": 1,
-        "success_count": len(ok),
-        "success_ns": since_enqueued_ns(ok, finished),
-        "fail_count": len(failed),
-        "fail_ns": since_enqueued_ns(failed, finished),
-        "queue_count": n,
-        "queue_ns": since_enqueued_ns([e for e, _ in answered], started),
-        f"batch:{rows}:count": 1,
-        f"batch:{rows}:ns": exec_ns,
-        execution_field(finished - started): 1,
-    }
-    for phase, ns in zip(COMPUTE_PHASES, phase_ns, strict=True):
-        counters[f"{phase}_count"] = n
-        counters[f"{phase}_ns"] = ns * n
-        counters[f"batch:{rows}:{phase}_ns"] = ns
-    return counters
