@@ -81,7 +81,7 @@ def test_adaptive_ties_near_capacity_and_goodput_holds_past_it(tmp_path: Path) -
         # its capacity (a throttled machine did, 6x), so no ordering can be read from it.
         pytest.skip(f"the host fell far below its measured capacity: {fixed_near.line()}")
     assert adaptive_near.goodput >= 0.8 * fixed_near.goodput, (adaptive_near.line(), fixed_near.line())
-    # At 130%: 40-98% of it in 8 runs here; without the API's refusal (api/overload.py)
+    # At 130%: 40% of it or more in 10 runs here; without the API's refusal (api/overload.py)
     # 2-20%. A load raised past 130% (a capacity measured low) leaves less for each.
     held = 0.3 * PAST / past
     assert adaptive_past.goodput >= held * fixed_near.goodput, (adaptive_past.line(), fixed_near.line())
