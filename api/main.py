@@ -85,11 +85,11 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                             failed=scan.failed, control=settings.model_control == "explicit")
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
 
-    async def sample_memory() -> None:
+    async def sample_process() -> None:
         service.metrics.sample_memory()
         service.metrics.loop_lag.set(service.overload.lag_s)
 
-    memory = Periodic("conveyor-memory", settings.heartbeat_interval_s, sample_memory)
+    memory = Periodic("conveyor-process-sample", settings.heartbeat_interval_s, sample_process)
     grpc_endpoint = grpc_server(service, repository, settings, guard) if grpc else None
 
     @asynccontextmanager

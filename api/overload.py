@@ -5,7 +5,7 @@ the clients, the model and the API share the cores), requests wait in the kernel
 buffers before the API reads them, where no deadline counts; served in turn, every one is
 late for its client, and goodput falls to nothing while the API works at full speed. The
 API cannot see how long a request waited unread, but the lateness of its own event loop
-(a timer that should fire every ``interval_s``) measures it: a request read now waited
+(a timer that should fire every ``INTERVAL_S``) measures it: a request read now waited
 about that long.
 
 So before a request costs Redis, a worker or the reply path, the API compares the time it
@@ -22,11 +22,10 @@ an answer.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 
+from api.periodic import Periodic
 from batching.errors import Overloaded
 
 INTERVAL_S = 0.005
@@ -53,23 +52,23 @@ class Overload:
     """The event loop's lateness, smoothed."""
     took_s: dict[str, float] = field(default_factory=dict)
     """Per model, the smoothed time its successful requests took in this process."""
-    interval_s: float = INTERVAL_S
-    """How often the lag is sampled."""
     probe_s: float = PROBE_S
     """While refusing, one request of each model goes through this often."""
     _passed: dict[str, float] = field(default_factory=dict)
     """Per model, when a request last went through (time.monotonic())."""
-    _task: asyncio.Task[None] | None = None
+    sampler: Periodic = field(init=False)
+    """Samples the lag every ``sampler.interval_s``."""
+    _sampled: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.sampler = Periodic("conveyor-loop-lag", INTERVAL_S, self._sample)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._sample(), name="conveyor-loop-lag")
+        self._sampled = time.monotonic()
+        self.sampler.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self.sampler.close()
 
     def answered(self, model: str, seconds: float) -> None:
         """A request for ``model`` succeeded ``seconds`` after this process read it."""
@@ -95,8 +94,8 @@ class Overload:
                 f"to be read), more than its {timeout_s * 1e3:.0f} ms timeout")
 
     async def _sample(self) -> None:
-        while True:
-            start = time.monotonic()
-            await asyncio.sleep(self.interval_s)
-            late = max(0.0, time.monotonic() - start - self.interval_s)
-            self.lag_s += SMOOTHING * (late - self.lag_s)
+        """One round of the sampler: how much later than its interval it came."""
+        now = time.monotonic()
+        late = max(0.0, now - self._sampled - self.sampler.interval_s)
+        self._sampled = now
+        self.lag_s += SMOOTHING * (late - self.lag_s)

@@ -135,8 +135,7 @@ class InferenceService:
             in_flight.dec()
             if regions is not None:
                 regions.close()
-        self._count(model, "success", started)
-        self.overload.answered(model, time.perf_counter() - started)
+        self.overload.answered(model, self._count(model, "success", started))
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)
         series.batch_size.observe(reply.batch_rows)
@@ -148,10 +147,13 @@ class InferenceService:
             raise not_found([*parsed.shm_inputs.values(), *parsed.shm_outputs.values()][0].region)
         return await self.shm.bind(parsed, model)
 
-    def _count(self, model: str, outcome: str, started: float) -> None:
+    def _count(self, model: str, outcome: str, started: float) -> float:
+        """Count the answer and its duration; returns the duration (seconds)."""
         requests, duration = self.metrics.of(model).outcome(outcome)
         requests.inc()
-        duration.observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        duration.observe(took)
+        return took
 
 
 def requested_priority(parsed: InferRequest, levels: int, default: int, default_name: str) -> int:

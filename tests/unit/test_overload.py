@@ -82,7 +82,7 @@ def test_the_api_answers_503_with_retry_after_without_reaching_the_dispatcher(
     with app as client:
         assert isinstance(client, TestClient)
         overload = app.app.app.service.overload  # type: ignore[attr-defined]
-        overload.interval_s = 3600.0  # the sampler sleeps: the lag stays as set here
+        overload.sampler.interval_s = 3600.0  # the sampler sleeps: the lag stays as set here
         time.sleep(0.02)
         overload.lag_s, overload.took_s["echo"] = 0.040, 0.030
         overload.probe_s = 3600.0
