@@ -7,14 +7,14 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from api.dispatch import REQUEST_ADMIT, Admission, Dispatcher
+from api.dispatch import ADMIT_CHUNK, REQUEST_ADMIT, Admission, Dispatcher
 from batching.envelope import FIELD, Reply, Request, Tensor
 from batching.errors import Overloaded, Unavailable
 from batching.keys import Keys
@@ -147,6 +147,31 @@ def test_a_request_whose_client_left_within_its_tick_is_never_admitted(server: R
         assert await client.xlen(STREAM) == 0
         assert int(cast(bytes, await client.get(KEYS.rows_waiting("m")))) == 2  # warm's, kept's
         assert await client.hget(KEYS.stats("m"), "withdrawn_count") is None  # nothing to undo
+    run(server, body)
+
+
+def test_a_tick_of_many_requests_is_written_in_chunks(server: RedisServer) -> None:
+    """The first ADMIT_CHUNK requests of a tick reach Redis before the tick's last one is
+    submitted, so a worker can start on them while the API parses the rest."""
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        assert dispatcher._writer is not None
+        writer, writes = dispatcher._writer, []
+        write = writer.write
+
+        def counting(prepared: Any, handlers: list[Callable[[Any], None]]) -> None:
+            writes.append(len(handlers))
+            write(prepared, handlers)
+
+        writer.write = counting  # type: ignore[method-assign]
+        sent = [request(dispatcher) for _ in range(2 * ADMIT_CHUNK + 8)]
+        waiting = [asyncio.ensure_future(dispatcher.submit(admission(), r, 5)) for r in sent]
+        await asyncio.sleep(0)  # every submit runs in this one tick
+        assert writes == [ADMIT_CHUNK, ADMIT_CHUNK]  # within the tick
+        await asyncio.sleep(0)
+        assert writes == [ADMIT_CHUNK, ADMIT_CHUNK, 8]  # the rest at its end
+        served = [await serve_one(client) for _ in sent]
+        assert [s.id for s in served] == [r.id for r in sent]
+        assert [r.id for r in await asyncio.gather(*waiting)] == [r.id for r in sent]
     run(server, body)
 
 
