@@ -49,6 +49,11 @@ WARN_EVERY_S = 60.0
 DISCONNECT_HOOK = "conveyor.on_disconnect"
 """Scope key of a function (no arguments) to call when the client hangs up before the
 response to that request is complete."""
+QUIET_SINCE = "conveyor.quiet_since"
+"""Scope key of the ``time.perf_counter()`` at which every request the connection had sent
+was answered, the last time it was so. The request's bytes arrived after it, so it bounds
+how long they can have waited unread (api/overload.py). Absent on a connection's first
+request: its bytes may have waited, with the connection itself, before it was accepted."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Requests whose headers are complete."""
         self._answered = 0
         """Requests whose response is complete."""
+        self._quiet_since: float | None = None
+        """When the connection last had no request in hand (:data:`QUIET_SINCE`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         full = len(self.connections) >= self.limits.max_connections
@@ -137,6 +144,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         framed_twice = self._chunked and self._sized
         if framed_twice:  # the body is chunked: its Content-Length means nothing
             self.headers[:] = [(n, v) for n, v in self.headers if n != b"content-length"]
+        if self._quiet_since is not None:
+            self.scope[QUIET_SINCE] = self._quiet_since  # type: ignore[literal-required]
         super().on_headers_complete()
         if framed_twice and self.cycle is not None:
             self.cycle.keep_alive = False
@@ -164,6 +173,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()
         self._answered += 1
         if self._answered == self._headed and not self.transport.is_closing():
+            self._quiet_since = time.perf_counter()
             self._arm_header_timer()
 
     # Limits ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import orjson
 
 from api.binary import compress, raw_input
 from api.body import content_length, drain, inflate, read_body
-from api.http_guard import DISCONNECT_HOOK
+from api.http_guard import DISCONNECT_HOOK, QUIET_SINCE
 from api.kserve import InferRequest, parse_header, render
 from api.service import InferenceService
 from batching.config import ModelConfig
@@ -92,7 +92,8 @@ class InferRoute:
                 return _parse(body, header_length, config)
 
         try:
-            parsed, reply = await self.service.infer(model, parse, started, protocol, version)
+            parsed, reply = await self.service.infer(model, parse, started, protocol, version,
+                                                     _unread_at_most(scope, started))
             content, json_length = render(model, parsed, reply.outputs)
         except asyncio.CancelledError:
             if gone:  # the client left: the request is withdrawn, nobody to answer
@@ -121,6 +122,13 @@ class InferRoute:
             if encoding:
                 out.append((b"content-encoding", encoding.encode()))
         await _respond(send, 200, content, out)
+
+
+def _unread_at_most(scope: Scope, started: float) -> float | None:
+    """How long the request's bytes can have waited unread: since its connection was last
+    quiet (:data:`api.http_guard.QUIET_SINCE`); None when the listener does not say."""
+    quiet = scope.get(QUIET_SINCE)
+    return None if quiet is None else max(0.0, started - quiet)
 
 
 def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> InferRequest:

@@ -72,11 +72,13 @@ class InferenceService:
         return config, str(number)
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
-                    started: float, protocol: str, version: str = "") -> tuple[InferRequest, Reply]:
+                    started: float, protocol: str, version: str = "",
+                    unread_at_most: float | None = None) -> tuple[InferRequest, Reply]:
         """Parse, validate and run one request through Redis and a worker.
 
         ``parse`` runs only once the model is known, so an unknown model is answered
-        before a body is read.
+        before a body is read. ``unread_at_most``: the longest its bytes can have waited
+        before this process read them, when the listener knows (api/overload.py).
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
@@ -106,7 +108,7 @@ class InferenceService:
                     raise InvalidInput("parameters.timeout must be a non-negative number of µs")
                 if asked > 0:
                     timeout_ms = min(timeout_ms, asked / 1000.0)
-            self.overload.check(model, timeout_ms / 1000.0)
+            self.overload.check(model, timeout_ms / 1000.0, unread_at_most)
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.overload import Overload
+from api.overload import REFUSALS_PER_ANSWER, Overload
 from batching.errors import Overloaded
 from batching.settings import Settings
 from tests.unit.conftest import serve
@@ -44,6 +44,49 @@ def test_while_refusing_one_request_per_probe_interval_still_goes_through() -> N
         overload.check("m", 0.050)
     overload.probe_s = 0.0
     overload.check("m", 0.050)
+
+
+def test_a_request_read_soon_after_its_connection_was_quiet_is_not_judged_by_the_lag() -> None:
+    """A closed-loop client (or one retrying a 503 at once) cannot have a request waiting
+    unread longer than its connection has had one in hand, however late the loop runs."""
+    overload = Overload(lag_s=0.030, probe_s=3600.0)
+    for _ in range(10):
+        overload.answered("m", 0.030)
+    overload.check("m", 0.050)  # the first since the lag began goes through
+    overload.check("m", 0.050, unread_at_most=0.002)  # 32 ms expected: in time
+    with pytest.raises(Overloaded, match=r"about 90 ms .*\(60 ms of it waiting"):
+        overload.check("m", 0.050)  # twice the lag unread: 60 ms
+    with pytest.raises(Overloaded, match=r"about 55 ms .*\(25 ms of it waiting"):
+        overload.check("m", 0.050, unread_at_most=0.025)
+
+
+def test_refusals_of_clients_back_at_once_stay_within_a_budget_of_the_answers() -> None:
+    """A loop kept behind by the refusals themselves (their clients back at once, on
+    connections just answered) must not go on refusing nearly everything: past the budget,
+    such requests go through. Requests that may have waited unread (no bound known: a
+    connection's first) are refused whatever the budget: an open-loop flood."""
+    overload = Overload(lag_s=0.030, probe_s=3600.0)
+    back_at_once = 0.020
+    overload.check("m", 0.010, back_at_once)  # the first since the lag began goes through
+    overload.check("m", 0.010, back_at_once)  # nothing answered yet: no budget to refuse with
+    with pytest.raises(Overloaded):
+        overload.check("m", 0.010)
+    for _ in range(5):
+        overload.answered("m", 0.030)
+    refused = 0
+    for _ in range(100):
+        try:
+            overload.check("m", 0.010, back_at_once)
+        except Overloaded:
+            refused += 1
+    # Five answers' worth, less the refusal above and what the counts decayed meanwhile.
+    assert REFUSALS_PER_ANSWER * 5 - 3 <= refused <= REFUSALS_PER_ANSWER * 5 - 1
+    overload.answered("m", 0.030)  # one more answer earns about four more refusals
+    with pytest.raises(Overloaded):
+        overload.check("m", 0.010, back_at_once)
+    for _ in range(10):  # the budget binds only the bounded
+        with pytest.raises(Overloaded):
+            overload.check("m", 0.010)
 
 
 def test_the_time_requests_took_is_smoothed() -> None:
@@ -84,7 +127,8 @@ def test_the_api_answers_503_with_retry_after_without_reaching_the_dispatcher(
         overload = app.app.app.service.overload  # type: ignore[attr-defined]
         overload.sampler.interval_s = 3600.0  # the sampler sleeps: the lag stays as set here
         time.sleep(0.02)
-        overload.lag_s, overload.took_s["echo"] = 0.040, 0.030
+        overload.lag_s = 0.040
+        overload.answered("echo", 0.030)  # answers earn the refusals' budget
         overload.probe_s = 3600.0
         overload.check("echo", 1.0)  # a request went through just now: no probe is due
         x = np.ones((1, 4), np.float32).ravel().tolist()
