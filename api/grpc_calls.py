@@ -14,6 +14,7 @@ import asyncio
 import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -66,6 +67,10 @@ class Context:
 
 
 CONTEXT = Context()
+QUIET_SINCE: ContextVar[float | None] = ContextVar("conveyor_grpc_quiet_since", default=None)
+"""In a call's task, when its connection last had no stream open (None: its first stream):
+the call's request came after it, which bounds how long it waited unread (api/overload.py);
+the behaviour's signature is grpc.aio's, so it travels beside it."""
 
 
 def status_block(code: int, message: str, head: bool) -> bytes:
@@ -271,6 +276,7 @@ class GrpcCall:
         method = self._method
         assert method is not None
         context = CONTEXT
+        QUIET_SINCE.set(self._conn.quiet_since)  # this task's own context
         argument = self._requests() if request is None else request
         try:
             async with asyncio.timeout_at(self._deadline):

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from api import grpc_listener
+from api.grpc_calls import QUIET_SINCE
 from api.grpc_codec import infer_response, parameters, parse_request
 from api.kserve import InferRequest
 from api.periodic import Periodic
@@ -108,8 +109,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def parse(config: ModelConfig) -> InferRequest:
             return parse_request(request, config)
 
-        parsed, reply = await self.service.infer(request.model_name, parse, started, protocol,
-                                                 request.model_version)
+        quiet = QUIET_SINCE.get()
+        parsed, reply = await self.service.infer(
+            request.model_name, parse, started, protocol, request.model_version,
+            None if quiet is None else max(0.0, started - quiet))
         return infer_response(request.model_name, parsed, reply.outputs)
 
     @_mapped

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections import deque
 from typing import Protocol, cast
 
@@ -91,6 +92,9 @@ class H2Connection(asyncio.Protocol):
         self._preface = False
         self._decoder = h2.HeaderDecoder(MAX_HEADER_LIST_SIZE)
         self.streams: dict[int, _Stream] = {}
+        self.quiet_since: float | None = None
+        """``time.perf_counter()`` when the last stream open was done, the last time none
+        was (None: never yet): a new stream's request came after it (api/overload.py)."""
         self._last_id = 0
         self._fragment: tuple[int, int, bytearray] | None = None  # (stream, flags, block)
         self._send_window = h2.DEFAULT_WINDOW
@@ -423,6 +427,7 @@ class H2Connection(asyncio.Protocol):
     def _stream_gone(self) -> None:
         if not self.streams:
             self._active = self._loop.time()
+            self.quiet_since = time.perf_counter()
             if self._closing:
                 self._close_after_flush()
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ParamSpec
 
@@ -22,13 +23,15 @@ from grpc import StatusCode as Code
 
 from api import h2_codec as h2
 from api.auth import Guard, KeyStore
-from api.grpc_calls import CallEnv, Context, GrpcCall, Method
+from api.grpc_calls import QUIET_SINCE, CallEnv, Context, GrpcCall, Method
 from api.h2_connection import H2Connection, Limits, StreamSink
 
 P = ParamSpec("P")
 WAIT_S = 10.0
 """How long anything awaited may take (a busy 2-core machine); the tests take far less."""
 ECHO, HOLD, CHAT = "/test.Svc/Echo", "/test.Svc/Hold", "/test.Svc/Chat"
+QUIET = "/test.Svc/Quiet"
+"""Answers how long ago its connection last had no stream open (b"none": never)."""
 INFER = "/inference.GRPCInferenceService/ModelInfer"  # needs the infer scope (api.auth_grpc)
 CODES = {code.value[0]: code for code in Code}
 
@@ -43,7 +46,7 @@ class Server:
 
     def __init__(self, guard: Guard, max_message: int, conn_limits: Limits) -> None:
         unary = {ECHO: self.echo, "/test.Svc/Expand": self.expand, HOLD: self.hold,
-                 "/test.Svc/Boom": self.boom, INFER: self.echo}
+                 "/test.Svc/Boom": self.boom, INFER: self.echo, QUIET: self.quiet}
         methods = {path: Method(BytesValue, fn, False, False) for path, fn in unary.items()}
         methods[CHAT] = Method(BytesValue, self.chat, True, True)
         self.env = CallEnv(methods, guard, max_message)
@@ -66,6 +69,11 @@ class Server:
 
     async def echo(self, request: BytesValue, context: Context) -> BytesValue:
         return request
+
+    async def quiet(self, request: BytesValue, context: Context) -> BytesValue:
+        since = QUIET_SINCE.get()
+        return BytesValue(value=b"none" if since is None else
+                          repr(time.perf_counter() - since).encode())
 
     async def expand(self, request: BytesValue, context: Context) -> BytesValue:
         return BytesValue(value=request.value * 10)

@@ -24,6 +24,7 @@ from tests.h2_harness import (
     ECHO,
     HOLD,
     INFER,
+    QUIET,
     WAIT_S,
     Raw,
     ask,
@@ -43,6 +44,19 @@ from tests.h2_harness import (
 async def test_unary_round_trip() -> None:
     async with serve() as server, channel(server) as chan:
         assert await ask(chan, ECHO, b"hello") == (Code.OK, b"hello")
+
+
+@run
+async def test_a_call_knows_since_when_its_connection_had_no_stream_open() -> None:
+    """What bounds how long its request waited unread (api/overload.py): nothing on a
+    connection's first stream, the moment since the previous one ended on the next."""
+    async with serve() as server, channel(server) as chan:
+        assert await ask(chan, QUIET) == (Code.OK, b"none")
+        code, waited = await ask(chan, QUIET)
+        assert code == Code.OK and float(waited) < 0.25
+        await asyncio.sleep(0.3)
+        code, waited = await ask(chan, QUIET)
+        assert code == Code.OK and float(waited) >= 0.3
 
 
 @run
