@@ -53,10 +53,10 @@ async def test_a_call_knows_since_when_its_connection_had_no_stream_open() -> No
     async with serve() as server, channel(server) as chan:
         assert await ask(chan, QUIET) == (Code.OK, b"none")
         code, waited = await ask(chan, QUIET)
-        assert code == Code.OK and float(waited) < 0.25
-        await asyncio.sleep(0.3)
+        assert code == Code.OK and float(waited) < 0.5
+        await asyncio.sleep(1.0)
         code, waited = await ask(chan, QUIET)
-        assert code == Code.OK and float(waited) >= 0.3
+        assert code == Code.OK and float(waited) >= 1.0
 
 
 @run
