@@ -109,6 +109,9 @@ def test_requests_left_unread_by_an_unload_get_404_at_once(stack: Stack, http: C
     def added() -> int:
         return int(client.xinfo_stream(stream)["entries-added"]) if client.exists(stream) else 0
 
+    # The previous test loads the model again at its end: its inference process may still be
+    # starting, and an unload that reaches it before it runs anything turns all 40 away.
+    wait_for(lambda: http.is_model_ready("slow"), 60, "the slow model to be ready")
     before = added()
 
     def infer(_: int) -> tuple[int, str, float]:
