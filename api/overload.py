@@ -69,8 +69,9 @@ Measured: on a saturated 2-core host the refused requests' own latency was 2-3 t
 smoothed lag."""
 REFUSALS_PER_ANSWER = 4.0
 """Refusals of requests on connections answered before, per request answered: clients
-retrying at once cannot keep the process refusing. 1 was too few: at 130% of capacity
-(open loop on kept-alive connections) the requests let through were late by seconds."""
+retrying at once cannot keep the process refusing. A budget of 1 on every request was too
+few: at 130% of capacity (open loop on kept-alive connections) the requests it let through
+were late by seconds."""
 RATE_S = 1.0
 """Time constant of the decaying counts of answers and refusals that the budget compares."""
 
