@@ -109,10 +109,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def parse(config: ModelConfig) -> InferRequest:
             return parse_request(request, config)
 
-        quiet = QUIET_SINCE.get()
-        parsed, reply = await self.service.infer(
-            request.model_name, parse, started, protocol, request.model_version,
-            None if quiet is None else max(0.0, started - quiet))
+        parsed, reply = await self.service.infer(request.model_name, parse, started, protocol,
+                                                 request.model_version, QUIET_SINCE.get())
         return infer_response(request.model_name, parsed, reply.outputs)
 
     @_mapped

@@ -93,7 +93,7 @@ class InferRoute:
 
         try:
             parsed, reply = await self.service.infer(model, parse, started, protocol, version,
-                                                     _unread_at_most(scope, started))
+                                                     scope.get(QUIET_SINCE))
             content, json_length = render(model, parsed, reply.outputs)
         except asyncio.CancelledError:
             if gone:  # the client left: the request is withdrawn, nobody to answer
@@ -122,13 +122,6 @@ class InferRoute:
             if encoding:
                 out.append((b"content-encoding", encoding.encode()))
         await _respond(send, 200, content, out)
-
-
-def _unread_at_most(scope: Scope, started: float) -> float | None:
-    """How long the request's bytes can have waited unread: since its connection was last
-    quiet (:data:`api.http_guard.QUIET_SINCE`); None when the listener does not say."""
-    quiet = scope.get(QUIET_SINCE)
-    return None if quiet is None else max(0.0, started - quiet)
 
 
 def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> InferRequest:

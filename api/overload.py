@@ -90,11 +90,9 @@ class Overload:
     """Samples the lag every ``sampler.interval_s``."""
     _sampled: float = 0.0
     _answers: float = 0.0
-    """Requests answered, decaying with ``RATE_S``."""
+    """Requests answered, decaying with ``RATE_S`` (aged by the sampler)."""
     _refusals: float = 0.0
     """Requests refused, decaying alike."""
-    _counted: float = 0.0
-    """When the two counts last decayed (time.monotonic())."""
 
     def __post_init__(self) -> None:
         self.sampler = Periodic("conveyor-loop-lag", INTERVAL_S, self._sample)
@@ -110,7 +108,6 @@ class Overload:
         """A request for ``model`` succeeded ``seconds`` after this process read it."""
         was = self.took_s.get(model)
         self.took_s[model] = seconds if was is None else was + SMOOTHING * (seconds - was)
-        self._decay(time.monotonic())
         self._answers += 1.0
 
     def check(self, model: str, timeout_s: float, unread_at_most: float | None = None) -> None:
@@ -129,7 +126,6 @@ class Overload:
         if expected <= timeout_s or last is None or now - last >= self.probe_s:
             self._passed[model] = now
             return
-        self._decay(now)
         if (unread_at_most is not None
                 and self._refusals + 1.0 > REFUSALS_PER_ANSWER * self._answers):
             return  # the budget is spent: refusing more would keep the loop behind
@@ -139,17 +135,12 @@ class Overload:
             f"{expected * 1e3:.0f} ms to answer here ({unread * 1e3:.0f} ms of it waiting "
             f"to be read), more than its {timeout_s * 1e3:.0f} ms timeout")
 
-    def _decay(self, now: float) -> None:
-        """Age the counts of answers and refusals to ``now``."""
-        if now > self._counted:
-            kept = math.exp((self._counted - now) / RATE_S)
-            self._answers *= kept
-            self._refusals *= kept
-            self._counted = now
-
     async def _sample(self) -> None:
         """One round of the sampler: how much later than its interval it came."""
         now = time.monotonic()
         late = max(0.0, now - self._sampled - self.sampler.interval_s)
+        kept = math.exp((self._sampled - now) / RATE_S)  # the budget's counts age here,
+        self._answers *= kept                            # not on each request
+        self._refusals *= kept
         self._sampled = now
         self.lag_s += SMOOTHING * (late - self.lag_s)

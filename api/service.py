@@ -73,12 +73,13 @@ class InferenceService:
 
     async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
                     started: float, protocol: str, version: str = "",
-                    unread_at_most: float | None = None) -> tuple[InferRequest, Reply]:
+                    quiet_since: float | None = None) -> tuple[InferRequest, Reply]:
         """Parse, validate and run one request through Redis and a worker.
 
         ``parse`` runs only once the model is known, so an unknown model is answered
-        before a body is read. ``unread_at_most``: the longest its bytes can have waited
-        before this process read them, when the listener knows (api/overload.py).
+        before a body is read. ``quiet_since``: the ``time.perf_counter()`` at which the
+        request's connection last had nothing in hand, when the listener knows: its bytes
+        came after, which bounds how long they waited unread (api/overload.py).
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
@@ -108,7 +109,8 @@ class InferenceService:
                     raise InvalidInput("parameters.timeout must be a non-negative number of µs")
                 if asked > 0:
                     timeout_ms = min(timeout_ms, asked / 1000.0)
-            self.overload.check(model, timeout_ms / 1000.0, unread_at_most)
+            self.overload.check(model, timeout_ms / 1000.0,
+                                None if quiet_since is None else max(0.0, started - quiet_since))
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,
