@@ -82,11 +82,13 @@ def content_length(value: bytes | str | None) -> int | None:
 
 
 async def read_body(receive: Receive, claim: LargeBody, declared: int | None, limit: int,
-                    setting: str = MAX_REQUEST_SETTING) -> bytes:
+                    setting: str = MAX_REQUEST_SETTING, ready: bytes | None = None) -> bytes:
     """The whole body of an ASGI request, refused as soon as it passes ``limit`` bytes.
 
     ``declared``: the request's ``Content-Length``, checked before anything is read.
     ``setting``: the variable that sets ``limit``, for the error message.
+    ``ready``: the whole body, when the listener already had all of it
+    (:func:`api.http_direct.ready_body`): checked the same way, and nothing is received.
     """
     if declared is not None:
         if declared > limit:
@@ -94,6 +96,9 @@ async def read_body(receive: Receive, claim: LargeBody, declared: int | None, li
                                   f"{limit} bytes ({setting})")
         await claim.grow(declared)
     body = _Bounded(claim, limit, f"request body is above the limit of {limit} bytes ({setting})")
+    if ready is not None:
+        await body.add(ready)
+        return body.joined()
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

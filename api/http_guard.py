@@ -7,6 +7,9 @@ complete within ``body_timeout_s``, answers 431 to request headers larger than
 ``max_header_bytes``, closes idle keep-alive connections after ``keepalive_s`` and closes
 a new connection at once while ``max_connections`` are open. Used by :mod:`api.serve`.
 
+Each request's uvicorn cycle is in its scope (:data:`api.http_direct.CYCLE`), for the
+infer route to take a body that has all arrived and to write its answer in one piece.
+
 A client that hangs up before its response is complete is told to the application: the
 function a request's scope holds under :data:`DISCONNECT_HOOK` (set by the infer route,
 :mod:`api.infer`) is called, which cancels the request and withdraws it from its queue.
@@ -37,6 +40,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.server import ServerState
 
 from api.coalesce import CoalescingTransport
+from api.http_direct import CYCLE
 from batching.errors import ConveyorError, HeadersTooLarge, InvalidInput, RequestTimeout
 from batching.settings import Settings
 
@@ -147,8 +151,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._quiet_since is not None:
             self.scope[QUIET_SINCE] = self._quiet_since  # type: ignore[literal-required]
         super().on_headers_complete()
-        if framed_twice and self.cycle is not None:
-            self.cycle.keep_alive = False
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # a cycle of this request's
+            self.scope[CYCLE] = cycle  # type: ignore[literal-required]
+            if framed_twice:
+                cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         self._disarm_body_timer()

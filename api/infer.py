@@ -23,9 +23,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from api.binary import compress, raw_input
 from api.body import content_length, drain, inflate, read_body
+from api.http_direct import cycle_of, ready_body, write_response
 from api.http_guard import DISCONNECT_HOOK, QUIET_SINCE
 from api.kserve import InferRequest, parse_header, render
 from api.service import InferenceService
@@ -69,6 +71,7 @@ class InferRoute:
         read = False
         task = asyncio.current_task()
         gone = False
+        cycle = cycle_of(scope)
 
         def hang_up() -> None:
             nonlocal gone
@@ -82,7 +85,8 @@ class InferRoute:
             """Read, inflate and parse the body; a large one holds a place while it does."""
             nonlocal read
             async with limits.claim() as claim:
-                body = await read_body(receive, claim, declared, limits.max_bytes)
+                body = await read_body(receive, claim, declared, limits.max_bytes,
+                                       ready=None if cycle is None else ready_body(cycle))
                 read = True
                 encoding = headers.get(b"content-encoding")
                 if encoding is not None:
@@ -109,7 +113,7 @@ class InferRoute:
                     await drain(receive)
                 else:
                     extra.append((b"connection", b"close"))
-            await _respond(send, exc.http_status, orjson.dumps({"error": exc.message}),
+            await _respond(cycle, send, exc.http_status, orjson.dumps({"error": exc.message}),
                            [(b"content-type", JSON_TYPE), *extra])
             return
         scope.pop(DISCONNECT_HOOK, None)
@@ -121,7 +125,7 @@ class InferRoute:
             content, encoding = compress(content, accept.decode("latin-1"))
             if encoding:
                 out.append((b"content-encoding", encoding.encode()))
-        await _respond(send, 200, content, out)
+        await _respond(cycle, send, 200, content, out)
 
 
 def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> InferRequest:
@@ -142,8 +146,11 @@ def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> Inf
     return parse_header(view[:length], view[length:], config)
 
 
-async def _respond(send: Send, status: int, body: bytes,
+async def _respond(cycle: RequestResponseCycle | None, send: Send, status: int, body: bytes,
                    headers: list[tuple[bytes, bytes]]) -> None:
+    """The response in one write to the connection (api/http_direct.py), or as ASGI."""
+    if cycle is not None and write_response(cycle, status, headers, body):
+        return
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

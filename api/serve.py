@@ -3,7 +3,9 @@
 uvicorn, built here rather than from its command line, serves the application of
 :func:`api.main.create_app` on ``CONVEYOR_HOST``:``CONVEYOR_HTTP_PORT`` with the
 connection guards of :mod:`api.http_guard`, TLS when ``CONVEYOR_TLS_CERT_FILE`` and
-``CONVEYOR_TLS_KEY_FILE`` are set, and no access log; gRPC starts with the application
+``CONVEYOR_TLS_KEY_FILE`` are set, and no access log. uvicorn's proxy-headers layer is
+off: nothing reads the client address or scheme it would rewrite, and it is one more
+call per request. gRPC starts with the application
 (``api.main``). ``CONVEYOR_API_WORKERS`` processes (default: half the cores) share both
 ports (:mod:`api.process_pool`). It refuses to start (exit status 2) on an address beyond
 loopback without API keys.
@@ -38,6 +40,7 @@ def config(settings: Settings, app: ASGIApp) -> uvicorn.Config:
     tls = settings.tls_cert_file is not None
     return uvicorn.Config(
         app, host=settings.host, port=settings.http_port, access_log=False,
+        proxy_headers=False,
         http=guarded_protocol(ConnectionLimits.from_settings(settings)),
         ssl_certfile=settings.tls_cert_file if tls else None,
         ssl_keyfile=settings.tls_key_file if tls else None,

@@ -1,0 +1,90 @@
+"""A request's whole body and whole response, straight from and to its connection.
+
+uvicorn hands a request to the application as ASGI messages: ``receive()`` copies the
+body out of the cycle, and ``send()`` takes the response in two messages, checks every
+header against two regular expressions and writes the head and the body separately.
+For the infer route that is a fifth of the API's CPU per small request (docs/data-path.md
+section 7). The guarded HTTP protocol (:mod:`api.http_guard`) leaves each request's
+uvicorn cycle in its scope under :data:`CYCLE`, and the route uses it:
+
+- :func:`ready_body`: the body, when all of it has arrived before the route asks and
+  nothing else has read it (the usual small request); otherwise the route reads it with
+  ``receive()``, flow control and ``100 Continue`` included.
+- :func:`write_response`: a whole response with a ``Content-Length``, its status line,
+  headers and body in one ``transport.write``, and the cycle completed as uvicorn's own
+  ``send`` completes it (keep-alive or close, the next pipelined request started).
+  It declines (returns False) while the connection's writes are paused for a slow
+  reader, so that the ASGI ``send``, which waits for the buffer to drain, answers.
+
+Without a cycle in the scope (an application served some other way, as in the tests'
+in-process client) the route keeps to plain ASGI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+
+CYCLE = "conveyor.cycle"
+"""Scope key of the request's :class:`RequestResponseCycle`."""
+
+_defaults: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
+"""The server's default headers (``date``, ``server``) last written, and their bytes.
+uvicorn replaces the list once a second with the new date."""
+
+
+def cycle_of(scope: MutableMapping[str, Any]) -> RequestResponseCycle | None:
+    cycle = scope.get(CYCLE)
+    return cycle if isinstance(cycle, RequestResponseCycle) else None
+
+
+def ready_body(cycle: RequestResponseCycle) -> bytes | None:
+    """The request's whole body, taken from the cycle, when it has all arrived and nothing
+    has read any of it; None when the route must read it with ``receive()``."""
+    if cycle.more_body or cycle.waiting_for_100_continue or cycle.disconnected:
+        return None
+    body = bytes(cycle.body)
+    cycle.body = bytearray()
+    return body
+
+
+def write_response(cycle: RequestResponseCycle, status: int,
+                   headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
+    """Write ``status``, ``headers`` (without ``Content-Length``, which is added) and
+    ``body`` as the cycle's whole response in one write; False, with nothing written,
+    when the ASGI ``send`` must answer instead (writes paused, or a response begun)."""
+    if cycle.disconnected:  # the client left: like uvicorn's send, write nothing
+        return True
+    if cycle.response_started or cycle.flow.write_paused:
+        return False
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    parts = [STATUS_LINE[status], _default_headers(cycle.default_headers)]
+    closing = False
+    for name, value in headers:
+        if name == b"connection":
+            closing = b"close" in value.lower()
+            cycle.keep_alive = cycle.keep_alive and not closing
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"content-length: %d\r\n" % len(body))
+    if not cycle.keep_alive and not closing:
+        parts.append(b"connection: close\r\n")
+    parts += (b"\r\n", body)
+    cycle.transport.write(b"".join(parts))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
+
+
+def _default_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
+    global _defaults
+    written, data = _defaults
+    if written is not headers:
+        data = b"".join(b"%s: %s\r\n" % pair for pair in headers)
+        _defaults = (headers, data)
+    return data
