@@ -6,6 +6,9 @@ answers 408 (or closes, once a response has started) when a request body does no
 complete within ``body_timeout_s``, answers 431 to request headers larger than
 ``max_header_bytes``, closes idle keep-alive connections after ``keepalive_s`` and closes
 a new connection at once while ``max_connections`` are open. Used by :mod:`api.serve`.
+The header and keep-alive deadlines share one timer per connection (uvicorn sets and
+cancels two per request); a body timer is set only for a body still to come once the
+bytes that held its headers are parsed.
 
 Each request's uvicorn cycle is in its scope (:data:`api.http_direct.CYCLE`), for the
 infer route to take a body that has all arrived and to write its answer in one piece.
@@ -30,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import orjson
-from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
@@ -92,8 +94,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._chunked = False
         self._sized = False
         """The request has Transfer-Encoding, Content-Length (both: read as chunked)."""
-        self.timeout_keep_alive = self.limits.keepalive_s  # type: ignore[assignment]
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0
+        """When the watchdog fires (``time.perf_counter()``)."""
+        self._waiting_since: float | None = None
+        """When the connection began to wait for a request's headers (connected, or every
+        request it had sent answered); None while a request's headers are complete."""
+        self._idle = False
+        """Kept alive after an answer, and no byte of the next request yet."""
         self._body_timer: asyncio.TimerHandle | None = None
         self._header_bytes = 0
         self._headed = 0
@@ -111,10 +119,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             transport.close()
             return
         self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
-        self._arm_header_timer()
+        self._wait_for_headers(time.perf_counter(), idle=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         self._disarm_body_timer()
         cycle = self.cycle
         super().connection_lost(exc)
@@ -127,23 +137,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._header_bytes = 0
         self._chunked = self._sized = False
+        self._idle = False  # a byte of the next request: keep-alive no longer applies
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
-        self._count_header_bytes(len(url))
-        super().on_url(url)
+        self._header_bytes += len(url)
+        if self._header_bytes > self.limits.max_header_bytes:
+            raise self._headers_too_large()
+        self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value) + 4)
-        super().on_header(name, value)
-        lowered = self.headers[-1][0]
-        if lowered == b"transfer-encoding":
-            self._chunked = True
-        elif lowered == b"content-length":
+        """uvicorn's own, with the header bytes counted and the framing noted."""
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_bytes > self.limits.max_header_bytes:
+            raise self._headers_too_large()
+        name = name.lower()
+        value = value.rstrip(b" \t")  # RFC 9110 section 5.5: no trailing whitespace
+        if name == b"content-length":
             self._sized = True
+        elif name == b"transfer-encoding":
+            self._chunked = True
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self._disarm_header_timer()
+        self._waiting_since = None
         self._headed += 1
         framed_twice = self._chunked and self._sized
         if framed_twice:  # the body is chunked: its Content-Length means nothing
@@ -158,7 +177,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
-        self._disarm_body_timer()
+        if self._body_timer is not None:
+            self._disarm_body_timer()
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -169,49 +189,76 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._reject(InvalidInput(msg))
 
     # Request life ---------------------------------------------------------------------
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        super()._start_asgi_task(cycle, app)
-        if cycle.more_body:
-            self._disarm_body_timer()
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        cycle = self.cycle
+        # A body still to come once these bytes are parsed must come in time. Checked here,
+        # not when the headers complete: the body is usually in the same bytes.
+        if (cycle is not None and cycle.more_body and self._body_timer is None
+                and self._waiting_since is None and not cycle.response_complete):
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s,
                                                     self._body_late, cycle)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        """uvicorn's own, with its keep-alive timer left to the watchdog."""
+        self.server_state.total_requests += 1
         self._answered += 1
-        if self._answered == self._headed and not self.transport.is_closing():
-            self._quiet_since = time.perf_counter()
-            self._arm_header_timer()
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        if self._answered == self._headed:
+            self._quiet_since = now = time.perf_counter()
+            self._wait_for_headers(now, idle=True)
 
     # Limits ---------------------------------------------------------------------------
-    def _arm_header_timer(self) -> None:
-        self._disarm_header_timer()
-        self._header_timer = self.loop.call_later(self.limits.header_timeout_s,
-                                                  self._headers_late)
+    def _wait_for_headers(self, now: float, idle: bool) -> None:
+        """From ``now`` the connection waits for the next request's headers: it is closed
+        unless they are complete within ``header_timeout_s``, or, kept alive after an
+        answer (``idle``), unless the request begins within ``keepalive_s``.
 
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        One timer per connection, set again only when it would fire too late: a busy
+        connection pays a few assignments per request, not a timer set and cancelled."""
+        self._waiting_since = now
+        self._idle = idle
+        ends = now + self._wait_limit(idle)
+        if self._watchdog is None or ends < self._watch_at:
+            self._arm_watchdog(now, ends)
+
+    def _arm_watchdog(self, now: float, at: float) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watch_at = at
+        self._watchdog = self.loop.call_later(at - now, self._watch)
+
+    def _wait_limit(self, idle: bool) -> float:
+        limits = self.limits
+        return min(limits.keepalive_s, limits.header_timeout_s) if idle else limits.header_timeout_s
+
+    def _watch(self) -> None:
+        """Close the connection if its wait has run out; else look again when it would."""
+        self._watchdog = None
+        since = self._waiting_since
+        if since is None or self.transport.is_closing():
+            return  # a request is in hand: the next answer starts a new wait
+        now = time.perf_counter()
+        ends = since + self._wait_limit(self._idle)
+        if ends <= now:
+            self.transport.close()
+        else:
+            self._arm_watchdog(now, ends)
 
     def _disarm_body_timer(self) -> None:
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
 
-    def _count_header_bytes(self, size: int) -> None:
-        """Raised inside the parser, the error stops it; :meth:`send_400_response` answers."""
-        self._header_bytes += size
-        if self._header_bytes > self.limits.max_header_bytes:
-            raise self._headers_too_large()
-
     def _headers_too_large(self) -> HeadersTooLarge:
+        """Raised inside the parser, the error stops it; :meth:`send_400_response` answers."""
         return HeadersTooLarge(f"request line and headers larger than "
                                f"{self.limits.max_header_bytes} bytes")
-
-    def _headers_late(self) -> None:
-        self._header_timer = None
-        self.transport.close()
 
     def _body_late(self, cycle: RequestResponseCycle) -> None:
         self._body_timer = None
