@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from api.http_direct import cycle_of, ready_body, write_response
-from api.http_guard import ConnectionLimits, guarded_protocol
-from tests.procs import free_port
+from api.http_guard import ConnectionLimits
+from tests.guarded_server import guarded_server, responses, send_whole
 
 LIMITS = ConnectionLimits(keepalive_s=30.0, header_timeout_s=30.0, body_timeout_s=30.0,
                           max_connections=16)
@@ -42,49 +40,18 @@ async def echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 break
     content = how + body
     if not write_response(cycle, 200, [(b"content-type", b"text/plain")], content):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(content)).encode())]})
-        await send({"type": "http.response.body", "body": content})
+        await send_whole(send, content)
 
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    port = free_port()
-    config = uvicorn.Config(echo_app, host="127.0.0.1", port=port, lifespan="off",
-                            http=guarded_protocol(LIMITS), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with guarded_server(echo_app, LIMITS) as port:
+        yield port
 
 
 def post(body: bytes, *extra: bytes) -> bytes:
     return b"".join([b"POST /echo HTTP/1.1\r\nHost: t\r\n", *extra,
                      b"Content-Length: %d\r\n\r\n" % len(body), body])
-
-
-def responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
-    """The next ``count`` responses on ``sock``: (head, body)."""
-    data, out = b"", list[tuple[bytes, bytes]]()
-    while len(out) < count:
-        head, sep, rest = data.partition(b"\r\n\r\n")
-        if sep:
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            if len(rest) >= length:
-                out.append((head, rest[:length]))
-                data = rest[length:]
-                continue
-        chunk = sock.recv(65536)
-        assert chunk, data
-        data += chunk
-    return out
 
 
 def test_a_body_that_has_arrived_is_taken_and_answered_with_the_usual_headers(port: int) -> None:

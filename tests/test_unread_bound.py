@@ -4,18 +4,15 @@ refusal uses (api/overload.py, api/http_guard.py ``QUIET_SINCE``)."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 
-from api.http_guard import QUIET_SINCE, ConnectionLimits, guarded_protocol
-from tests.procs import free_port
+from api.http_guard import QUIET_SINCE, ConnectionLimits
+from tests.guarded_server import guarded_server, responses, send_whole
 
 LIMITS = ConnectionLimits(keepalive_s=30.0, header_timeout_s=30.0, body_timeout_s=30.0,
                           max_connections=16)
@@ -29,44 +26,18 @@ async def quiet_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Answers how long ago the request's connection was last quiet, in seconds."""
     quiet = scope.get(QUIET_SINCE)
     body = b"none" if quiet is None else repr(time.perf_counter() - quiet).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send_whole(send, body)
 
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    port = free_port()
-    config = uvicorn.Config(quiet_app, host="127.0.0.1", port=port, lifespan="off",
-                            http=guarded_protocol(LIMITS), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with guarded_server(quiet_app, LIMITS) as port:
+        yield port
 
 
 def answers(sock: socket.socket, count: int) -> list[str]:
     """The bodies of the next ``count`` responses on ``sock``."""
-    data, bodies = b"", list[str]()
-    while len(bodies) < count:
-        head, sep, rest = data.partition(b"\r\n\r\n")
-        if sep:
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            if len(rest) >= length:
-                bodies.append(rest[:length].decode())
-                data = rest[length:]
-                continue
-        chunk = sock.recv(4096)
-        assert chunk, data
-        data += chunk
-    return bodies
+    return [body.decode() for _, body in responses(sock, count)]
 
 
 def ask(sock: socket.socket) -> str:
