@@ -2,10 +2,10 @@
 
 uvicorn hands a request to the application as ASGI messages: ``receive()`` copies the
 body out of the cycle, and ``send()`` takes the response in two messages, checks every
-header against two regular expressions and writes the head and the body separately.
-For the infer route that is a fifth of the API's CPU per small request (docs/data-path.md
-section 7). The guarded HTTP protocol (:mod:`api.http_guard`) leaves each request's
-uvicorn cycle in its scope under :data:`CYCLE`, and the route uses it:
+header against two regular expressions and writes the head and the body separately
+(docs/data-path.md section 7 has what it cost and what this saves). The guarded HTTP
+protocol (:mod:`api.http_guard`) leaves each request's uvicorn cycle in its scope under
+:data:`CYCLE`, and the route uses it:
 
 - :func:`ready_body`: the body, when all of it has arrived before the route asks and
   nothing else has read it (the usual small request); otherwise the route reads it with

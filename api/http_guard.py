@@ -192,12 +192,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         cycle = self.cycle
-        # A body still to come once these bytes are parsed must come in time. Checked here,
-        # not when the headers complete: the body is usually in the same bytes.
+        # The running request's body, still to come once these bytes are parsed, must come
+        # in time. Checked here, not when the headers complete: the body is usually in the
+        # same bytes. A pipelined request's is timed from when it starts.
         if (cycle is not None and cycle.more_body and self._body_timer is None
-                and self._waiting_since is None and not cycle.response_complete):
-            self._body_timer = self.loop.call_later(self.limits.body_timeout_s,
-                                                    self._body_late, cycle)
+                and self._waiting_since is None and not cycle.response_complete
+                and not self.pipeline):
+            self._time_body(cycle)
+
+    def _time_body(self, cycle: RequestResponseCycle) -> None:
+        self._disarm_body_timer()
+        self._body_timer = self.loop.call_later(self.limits.body_timeout_s,
+                                                self._body_late, cycle)
 
     def on_response_complete(self) -> None:
         """uvicorn's own, with its keep-alive timer left to the watchdog."""
@@ -209,6 +215,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
+            if cycle.more_body:
+                self._time_body(cycle)
         if self._answered == self._headed:
             self._quiet_since = now = time.perf_counter()
             self._wait_for_headers(now, idle=True)
