@@ -177,8 +177,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
-        if self._body_timer is not None:
-            self._disarm_body_timer()
+        self._disarm_body_timer()
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
