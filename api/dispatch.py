@@ -1,8 +1,9 @@
 """The API process's links to Redis for requests and replies.
 
 Writes are coalesced: every request submitted during one event-loop tick goes out in
-one write. Each request is admitted by a Lua script that checks the model's rows
-waiting against its limit and appends the request to its stream, atomically, so the
+one write (16 at most). The requests of a write that go to one stream are admitted by one
+call of a Lua script (batching/lua/admit_many.lua) that checks each in turn against the
+model's rows waiting and its limit and appends it to the stream, atomically, so the
 overload check costs no extra round trip and a rejected request writes nothing.
 Replies come back on one list per API process (``cv:reply:{api_id}``), popped in bulk
 on a second connection; each pop's reply resolves the requests' futures and sends the
@@ -49,7 +50,8 @@ worker idle while the API parses and the API idle while the worker runs
 POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
-REQUEST_ADMIT = script("admit")
+REQUEST_ADMIT = script("admit_many")
+"""Admits the requests of one write that go to one stream in one call."""
 WITHDRAW = script("withdraw")
 EXEC_SMOOTHING = 0.25
 """Weight of the newest lone request's run time in its model's smoothed one."""
@@ -69,6 +71,10 @@ class Admission:
     """The model's name, for withdrawing the request; "" never withdraws it."""
 
 
+Pending = tuple[Admission, bytes, "asyncio.Future[Reply]"]
+"""A request in the outbox: where it goes, its encoded entry, its waiter."""
+
+
 class Dispatcher:
     def __init__(self, redis_url: str, keys: Keys, busy_poll_s: float = 0.0,
                  lean: bool = True) -> None:
@@ -83,7 +89,7 @@ class Dispatcher:
         self._waiting: dict[str, asyncio.Future[Reply]] = {}
         self._entry_ids: dict[asyncio.Future[Reply], bytes | str] = {}
         """Stream entry ids of admitted requests still waiting: what a withdrawal names."""
-        self._outbox: list[tuple[Admission, bytes, asyncio.Future[Reply]]] = []
+        self._outbox: list[Pending] = []
         self._pop_command = ("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
                              REPLY_BATCH)
         self._pop_prepared: Any = None
@@ -216,25 +222,39 @@ class Dispatcher:
             for admission, data, fut in batch:
                 self._admitted(admission, data, fut, error)
             return
+        groups: dict[tuple[str, str, int], list[Pending]] = {}
+        for item in batch:
+            a = item[0]
+            groups.setdefault((a.stream, a.rows_key, a.max_rows), []).append(item)
         writer = self._writer
-        writer.write(
-            writer.prepare([("EVALSHA", REQUEST_ADMIT.sha, 2, a.rows_key, a.stream, a.rows,
-                             a.max_rows, data) for a, data, _ in batch]),
-            [partial(self._admitted, a, data, fut) for a, data, fut in batch])
+        writer.write(writer.prepare([_admit("EVALSHA", REQUEST_ADMIT.sha, group)
+                                     for group in groups.values()]),
+                     [partial(self._group_admitted, group) for group in groups.values()])
+
+    def _group_admitted(self, group: list[Pending], reply: Any) -> None:
+        """One stream's share of a write admitted: each request's own answer in turn."""
+        if (isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
+                and self._writer is not None):
+            # A new or restarted Redis: EVAL sends the script along and caches it again.
+            # Not for requests already answered (their deadline passed): nobody would read
+            # their replies, and their entries would hold rows of the queue until a worker
+            # got to them.
+            live = [item for item in group if not item[2].done()]
+            if live:
+                self._writer.write(self._writer.prepare([_admit("EVAL", REQUEST_ADMIT.text, live)]),
+                                   [partial(self._group_admitted, live)])
+            return
+        if isinstance(reply, list) and len(reply) == len(group):
+            for (admission, data, fut), one in zip(group, reply, strict=True):
+                self._admitted(admission, data, fut, one)
+            return
+        error = reply if isinstance(reply, OSError | RespError) else RespError(
+            f"admission answered {reply!r} for {len(group)} requests")
+        for admission, data, fut in group:
+            self._admitted(admission, data, fut, error)
 
     def _admitted(self, admission: Admission, data: bytes, fut: asyncio.Future[Reply],
                   reply: Any) -> None:
-        if (isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
-                and self._writer is not None and not fut.done()):
-            # A new or restarted Redis: EVAL sends the script along and caches it again.
-            # Not for a request already answered (its deadline passed): nobody would read
-            # its reply, and its entry would hold rows of the queue until a worker got to it.
-            writer = self._writer
-            writer.write(writer.prepare([("EVAL", REQUEST_ADMIT.text, 2, admission.rows_key,
-                                          admission.stream, admission.rows,
-                                          admission.max_rows, data)]),
-                         [partial(self._admitted, admission, data, fut)])
-            return
         if fut.done():
             if fut.cancelled() and isinstance(reply, list) and reply[0] >= 0:
                 self._withdraw(admission, reply[1], Request.decode(data).deadline_ms)
@@ -332,6 +352,15 @@ class Dispatcher:
         fut = self._waiting.get(reply.id)
         if fut is not None and not fut.done():
             fut.set_result(reply)
+
+
+def _admit(verb: str, script_ref: str, group: list[Pending]) -> tuple[Any, ...]:
+    """The admission of ``group`` (requests for one stream) as one script call."""
+    first = group[0][0]
+    args: list[Any] = [verb, script_ref, 2, first.rows_key, first.stream, first.max_rows]
+    for admission, data, _ in group:
+        args += (admission.rows, data)
+    return tuple(args)
 
 
 def _withdrawn(reply: Any) -> None:

@@ -24,7 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from api import grpc_listener
 from api.grpc_calls import QUIET_SINCE
 from api.grpc_codec import infer_response, parameters, parse_request
-from api.kserve import InferRequest
+from api.kserve import InferRequest, Vet
 from api.periodic import Periodic
 from api.proto import inference_pb2 as pb
 from api.proto import inference_pb2_grpc as pb_grpc
@@ -106,8 +106,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request: pb.ModelInferRequest, protocol: str) -> pb.ModelInferResponse:
         started = time.perf_counter()
 
-        async def parse(config: ModelConfig) -> InferRequest:
-            return parse_request(request, config)
+        async def parse(config: ModelConfig, vet: Vet) -> InferRequest:
+            return parse_request(request, config)  # decoded already: the service checks it
 
         parsed, reply = await self.service.infer(request.model_name, parse, started, protocol,
                                                  request.model_version, QUIET_SINCE.get())

@@ -29,7 +29,7 @@ from api.binary import compress, raw_input
 from api.body import content_length, drain, inflate, read_body
 from api.http_direct import cycle_of, ready_body, write_response
 from api.http_guard import DISCONNECT_HOOK, QUIET_SINCE
-from api.kserve import InferRequest, parse_header, render
+from api.kserve import InferRequest, Vet, parse_header, render
 from api.service import InferenceService
 from batching.config import ModelConfig
 from batching.errors import ConveyorError, InvalidInput, Overloaded
@@ -81,8 +81,9 @@ class InferRoute:
 
         scope[DISCONNECT_HOOK] = hang_up
 
-        async def parse(config: ModelConfig) -> InferRequest:
-            """Read, inflate and parse the body; a large one holds a place while it does."""
+        async def parse(config: ModelConfig, vet: Vet) -> InferRequest:
+            """Read, inflate and parse the body; a large one holds a place while it does
+            (and is parsed in a thread, without ``vet``: the service checks it after)."""
             nonlocal read
             async with limits.claim() as claim:
                 body = await read_body(receive, claim, declared, limits.max_bytes,
@@ -93,7 +94,7 @@ class InferRoute:
                     body = await inflate(body, encoding.decode("latin-1"), claim, limits.max_bytes)
                 if claim.held:
                     return await asyncio.to_thread(_parse, body, header_length, config)
-                return _parse(body, header_length, config)
+                return _parse(body, header_length, config, vet)
 
         try:
             parsed, reply = await self.service.infer(model, parse, started, protocol, version,
@@ -128,9 +129,10 @@ class InferRoute:
         await _respond(cycle, send, 200, content, out)
 
 
-def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> InferRequest:
+def _parse(body: bytes, header_length: bytes | None, config: ModelConfig,
+           vet: Vet | None = None) -> InferRequest:
     if header_length is None:
-        return parse_header(body, memoryview(b""), config)
+        return parse_header(body, memoryview(b""), config, vet)
     length = content_length(header_length)
     if length is None:
         raise InvalidInput("Inference-Header-Content-Length must be an integer of ASCII "
@@ -143,7 +145,7 @@ def _parse(body: bytes, header_length: bytes | None, config: ModelConfig) -> Inf
         raise InvalidInput(f"Inference-Header-Content-Length {length} does not fit a body of "
                            f"{len(body)} bytes")
     view = memoryview(body)
-    return parse_header(view[:length], view[length:], config)
+    return parse_header(view[:length], view[length:], config, vet)
 
 
 async def _respond(cycle: RequestResponseCycle | None, send: Send, status: int, body: bytes,

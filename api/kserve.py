@@ -10,7 +10,7 @@ the JSON header, rendered straight from the reply's raw tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,10 @@ from batching.signature import check_inputs, dims
 MAX_JSON_DEPTH = 100
 """Deepest nesting of an input's JSON ``data`` (Triton's limit)."""
 INT64_MAX = 2**63 - 1
+
+Vet = Callable[[dict[str, Any]], None]
+"""Called with a request's ``parameters`` once they are known and before its tensors are
+decoded; raises to refuse the request (the API's overload check, api/overload.py)."""
 
 
 @dataclass(slots=True)
@@ -72,17 +76,21 @@ def json_object(data: bytes | memoryview) -> dict[str, Any]:
     return doc
 
 
-def parse_header(header: bytes | memoryview, binary: memoryview,
-                 config: ModelConfig) -> InferRequest:
+def parse_header(header: bytes | memoryview, binary: memoryview, config: ModelConfig,
+                 vet: Vet | None = None) -> InferRequest:
     """A JSON header and the binary tensor section that followed it (possibly empty)."""
-    return parse_document(json_object(header), binary, config)
+    return parse_document(json_object(header), binary, config, vet)
 
 
-def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig) -> InferRequest:
+def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig,
+                   vet: Vet | None = None) -> InferRequest:
     """:func:`parse_header` of a header already parsed as JSON."""
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("'inputs' must be a non-empty list of tensors")
+    params = doc.get("parameters") or {}
+    if vet is not None and isinstance(params, dict):
+        vet(params)  # decoding the tensors is most of a parse: a request refused here skips it
     heads = [_head(i, item) for i, item in enumerate(raw_inputs)]
     # Triton's order: the body (JSON data, binary sections) first, then the signature,
     # then the binary sizes; its clients and tests see whichever error comes first.
@@ -112,7 +120,6 @@ def parse_document(doc: dict[str, Any], binary: memoryview, config: ModelConfig)
     tensors = [part if isinstance(part, Tensor) else
                tensor_from_buffer(name, datatype, shape, part, config.name)
                for (name, datatype, shape, _, _), part in zip(heads, parts, strict=True)]
-    params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput("'parameters' must be an object")
     names, flags, shm_outputs = _wanted_outputs(doc.get("outputs"))

@@ -103,7 +103,8 @@ LOOP_LAG = MetricDef(
     "How late the API's event loop runs a timer, smoothed (the worst API process)",
     "How late each API process's event loop runs a 5 ms timer, smoothed over about 50 ms, "
     "sampled every `CONVEYOR_HEARTBEAT_INTERVAL_S`; the worst process of the container "
-    "(multiprocess mode `livemax`). A millisecond or two while the API keeps up. A request "
+    "(multiprocess mode `livemax`). A millisecond or two while the API keeps up; 0 while no "
+    "request has come for 100 ms (the timer stops until the next one). A request "
     "waits about twice this long before the API reads it, and one that could no longer be "
     "answered within its timeout is refused at once with 503 (code `overloaded`, "
     "docs/operations.md).",
@@ -281,6 +282,15 @@ LATENCY_SLOPE = MetricDef(
     "Per-row cost b of the policy's batch latency model t(n) = a + b*n",
     "`b` in the same model: seconds per row.",
     "heartbeats")
+SHED_RESERVE = MetricDef(
+    "conveyor_policy_shed_reserve_seconds", "gauge", ("model", "consumer"),
+    "Time the adaptive policy keeps, when it sheds, for the path outside the inference process",
+    "Past capacity the adaptive policy answers at once the requests that a batch started now "
+    "would not answer in time: a batch of `n` rows is answered `t(n)` plus this from now. It "
+    "is what the requests' API processes report that they spend outside the inference process "
+    "(mean plus two mean deviations, at least 5% of `latency_target_ms`), or 30% of the target "
+    "until one has reported.",
+    "heartbeats")
 GPU_USED = MetricDef(
     "conveyor_gpu_memory_used_bytes", "gauge", ("host", "device"),
     "GPU memory in use",
@@ -304,4 +314,4 @@ ALL = (REDIS_UP, REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, 
        IN_FLIGHT, LOOP_LAG, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
        BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, WITHDRAWN, SHED, RESTARTS, JOB_ROWS,
        JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP, ARRIVAL_RATE,
-       LATENCY_INTERCEPT, LATENCY_SLOPE, GPU_USED, GPU_TOTAL, RESIDENT_MEMORY)
+       LATENCY_INTERCEPT, LATENCY_SLOPE, SHED_RESERVE, GPU_USED, GPU_TOTAL, RESIDENT_MEMORY)

@@ -42,6 +42,7 @@ WORKER_GAUGES = (
     (d.ARRIVAL_RATE, ("policy", "arrival_rate_per_s")),
     (d.LATENCY_INTERCEPT, ("policy", "latency_a_s")),
     (d.LATENCY_SLOPE, ("policy", "latency_b_s_per_row")),
+    (d.SHED_RESERVE, ("policy", "shed_reserve_s")),
 )
 """Per-process figures from heartbeats, labelled by model and consumer."""
 MODEL_STATES = ("READY", "LOADING", "UNAVAILABLE")

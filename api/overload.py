@@ -34,25 +34,35 @@ deadline decides. A connection's first request has no bound (its bytes may have 
 with the connection itself, before the accept), so a flood of new connections is refused
 whatever the budget. On a busy 2-core host, 64 clients in a closed loop with a 50 ms
 timeout, on a model served in 30 ms, had 93% of their requests refused before these two
-rules (goodput 1,900 → 100 requests a second: the probes below); with them, none but a
-few in the first second.
+rules (goodput 1,900 → 100 requests a second: the probes below); with them, in most
+seconds none, and at worst 1.4 per answer over a second (see ``RATE_S``).
 
-A request's body is parsed before the check (its ``parameters.timeout`` is in it); parsing
-is about a third of what a small JSON request costs the API, so a refusal costs about a
-third of an answer.
+A refusal still costs the API most of what an answer costs (the HTTP machinery, the
+error's write): past capacity, refusals can take more of the process than the answers. So
+a request is checked as soon as its timeout is known. Its ``parameters.timeout`` is in
+its body, and can only shorten the model's ``default_timeout_ms``: a first check against
+that default comes before the body is read (``final=False``), and the check by its own
+timeout before its JSON tensors are decoded (api/service.py). On mlp_medium at 2,000
+req/s offered on a 2-core host, decoding was about a fifth of the API's CPU samples;
+skipping it for the refused requests took 8% off the API's CPU per offered request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass, field
 
-from api.periodic import Periodic
 from batching.errors import Overloaded
 
 INTERVAL_S = 0.005
-"""How often the loop's lateness is sampled."""
+"""How often the loop's lateness is sampled, while requests come."""
+IDLE_ROUNDS = 20
+"""The sampler stops after this many rounds (100 ms) with no request checked, and the
+next request starts it again: an idle process is not woken 200 times a second for
+nothing (measured: 3% of a core per idle API process on a 2-core virtual machine). A loop
+with no request has none to be late for, so its lag reads 0 meanwhile."""
 KEEPING_UP_S = 0.005
 """A lag up to this long is a loop that keeps up: nothing is refused on it."""
 SMOOTHING = 0.1
@@ -72,8 +82,13 @@ REFUSALS_PER_ANSWER = 4.0
 retrying at once cannot keep the process refusing. A budget of 1 on every request was too
 few: at 130% of capacity (open loop on kept-alive connections) the requests it let through
 were late by seconds."""
-RATE_S = 1.0
-"""Time constant of the decaying counts of answers and refusals that the budget compares."""
+RATE_S = 0.25
+"""Time constant of the decaying counts of answers and refusals that the budget compares.
+Short, so that the answers of a loop that kept up do not fund a long run of refusals once
+it falls behind: over a second, 64 closed-loop clients at capacity on a 2-core host were
+still seen refused 3,000 times a second (and answered 270 times) for a second or two at a
+time, 2 seconds in 32; over a quarter of one, none in 32 (the worst: 1,009 answered,
+1,392 refused)."""
 
 
 @dataclass(slots=True)
@@ -86,23 +101,38 @@ class Overload:
     """While refusing, one request of each model goes through this often."""
     _passed: dict[str, float] = field(default_factory=dict)
     """Per model, when a request last went through (time.monotonic())."""
-    sampler: Periodic = field(init=False)
-    """Samples the lag every ``sampler.interval_s``."""
+    interval_s: float = INTERVAL_S
+    """The sampler's interval."""
+    _timer: asyncio.TimerHandle | None = None
+    """The sampler's next round; None while it is stopped."""
+    _loop: asyncio.AbstractEventLoop | None = None
+    """The loop it samples, once started."""
+    _checked: bool = False
+    """A request was checked since the last round."""
+    _quiet_rounds: int = 0
     _sampled: float = 0.0
+    """When the last round ran, or the sampler started again."""
+    _aged: float = 0.0
+    """When the budget's counts were last aged."""
     _answers: float = 0.0
     """Requests answered, decaying with ``RATE_S`` (aged by the sampler)."""
     _refusals: float = 0.0
     """Requests refused, decaying alike."""
 
-    def __post_init__(self) -> None:
-        self.sampler = Periodic("conveyor-loop-lag", INTERVAL_S, self._sample)
-
     def start(self) -> None:
-        self._sampled = time.monotonic()
-        self.sampler.start()
+        self._loop = asyncio.get_running_loop()
+        self._aged = time.monotonic()
+        self._resume()
 
     async def close(self) -> None:
-        await self.sampler.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop = None
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the lag is being sampled (stopped while no request comes)."""
+        return self._timer is not None
 
     def answered(self, model: str, seconds: float) -> None:
         """A request for ``model`` succeeded ``seconds`` after this process read it."""
@@ -110,11 +140,18 @@ class Overload:
         self.took_s[model] = seconds if was is None else was + SMOOTHING * (seconds - was)
         self._answers += 1.0
 
-    def check(self, model: str, timeout_s: float, unread_at_most: float | None = None) -> None:
+    def check(self, model: str, timeout_s: float, unread_at_most: float | None = None, *,
+              final: bool = True) -> None:
         """Raise :class:`Overloaded` when a request for ``model`` that may take
         ``timeout_s`` would, by the current lag and recent requests, be answered late.
         Only while the loop is behind: with no lag, the queue and the worker decide.
-        ``unread_at_most``: the longest the request can have waited unread, when known."""
+        ``unread_at_most``: the longest the request can have waited unread, when known.
+        ``final=False``: an early check against an upper bound of the request's timeout
+        (its model's default, before its body is read); one it passes is checked again,
+        with its own timeout, and only that one counts as the model's probe."""
+        self._checked = True
+        if self._timer is None and self._loop is not None:
+            self._resume()
         if self.lag_s <= KEEPING_UP_S:
             return
         unread = UNREAD_TURNS * self.lag_s
@@ -124,7 +161,8 @@ class Overload:
         now = time.monotonic()
         last = self._passed.get(model)
         if expected <= timeout_s or last is None or now - last >= self.probe_s:
-            self._passed[model] = now
+            if final:
+                self._passed[model] = now
             return
         if (unread_at_most is not None
                 and self._refusals + 1.0 > REFUSALS_PER_ANSWER * self._answers):
@@ -135,12 +173,31 @@ class Overload:
             f"{expected * 1e3:.0f} ms to answer here ({unread * 1e3:.0f} ms of it waiting "
             f"to be read), more than its {timeout_s * 1e3:.0f} ms timeout")
 
-    async def _sample(self) -> None:
-        """One round of the sampler: how much later than its interval it came."""
+    def _resume(self) -> None:
+        """Start sampling (again): the next round measures from now."""
+        assert self._loop is not None
+        self._sampled = time.monotonic()
+        self._quiet_rounds = 0
+        self._timer = self._loop.call_later(self.interval_s, self._sample)
+
+    def _sample(self) -> None:
+        """One round of the sampler: how much later than its interval it came. After
+        ``IDLE_ROUNDS`` rounds without a request it stops, the lag set to 0."""
         now = time.monotonic()
-        late = max(0.0, now - self._sampled - self.sampler.interval_s)
-        kept = math.exp((self._sampled - now) / RATE_S)  # the budget's counts age here,
-        self._answers *= kept                            # not on each request
+        late = max(0.0, now - self._sampled - self.interval_s)
+        kept = math.exp((self._aged - now) / RATE_S)  # the budget's counts age here,
+        self._answers *= kept                         # not on each request
         self._refusals *= kept
-        self._sampled = now
+        self._aged = self._sampled = now
         self.lag_s += SMOOTHING * (late - self.lag_s)
+        if self._checked:
+            self._checked = False
+            self._quiet_rounds = 0
+        else:
+            self._quiet_rounds += 1
+        if self._quiet_rounds >= IDLE_ROUNDS:
+            self._timer = None
+            self.lag_s = 0.0
+            return
+        assert self._loop is not None
+        self._timer = self._loop.call_later(self.interval_s, self._sample)

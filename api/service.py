@@ -12,12 +12,13 @@ from api.body import BodyLimits
 from api.dispatch import Admission
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
-from api.kserve import InferRequest
+from api.kserve import InferRequest, Vet
 from api.metrics import ApiMetrics
+from api.outside_path import OutsidePath
 from api.overload import Overload
 from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
-from batching.envelope import VERSION, WHOLE, Reply, Request
+from batching.envelope import PATH, VERSION, WHOLE, Reply, Request
 from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
 from batching.keys import Keys
 from batching.names import (
@@ -50,6 +51,8 @@ class InferenceService:
     """System shared memory regions; None: a tensor that names one finds none."""
     overload: Overload = field(default_factory=Overload)
     """Refuses at once what this process can no longer answer in time (api/overload.py)."""
+    outside: OutsidePath = field(default_factory=OutsidePath)
+    """What its requests spend outside the inference process, which they carry to it."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
@@ -71,15 +74,19 @@ class InferenceService:
             raise unknown_version(name, number)
         return config, str(number)
 
-    async def infer(self, model: str, parse: Callable[[ModelConfig], Awaitable[InferRequest]],
+    async def infer(self, model: str,
+                    parse: Callable[[ModelConfig, Vet], Awaitable[InferRequest]],
                     started: float, protocol: str, version: str = "",
                     quiet_since: float | None = None) -> tuple[InferRequest, Reply]:
         """Parse, validate and run one request through Redis and a worker.
 
         ``parse`` runs only once the model is known, so an unknown model is answered
-        before a body is read. ``quiet_since``: the ``time.perf_counter()`` at which the
-        request's connection last had nothing in hand, when the listener knows: its bytes
-        came after, which bounds how long they waited unread (api/overload.py).
+        before a body is read. It calls the :data:`Vet` it is given with the request's
+        parameters before it decodes the tensors, when it can: an overloaded process then
+        refuses the request before that (else it is checked once parsed). ``quiet_since``:
+        the ``time.perf_counter()`` at which the request's connection last had nothing in
+        hand, when the listener knows: its bytes came after, which bounds how long they
+        waited unread (api/overload.py).
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
@@ -92,9 +99,25 @@ class InferenceService:
         regions: Binding | None = None
         in_flight = self.metrics.of(model).in_flight
         in_flight.inc()
+        unread = None if quiet_since is None else max(0.0, started - quiet_since)
+        vetted: float | None = None  # the request's timeout (ms), once vet has checked it
+
+        def vet(parameters: dict[str, Any]) -> None:
+            nonlocal vetted
+            vetted = timeout_ms_of(parameters, config)
+            self.overload.check(model, vetted / 1000.0, unread)
+
         try:
-            parsed = await parse(config)
+            # A request's own timeout can only shorten its model's default: when even that
+            # would be answered late, the request is refused before its body is read.
+            self.overload.check(model, config.queue.default_timeout_ms / 1000.0, unread,
+                                final=False)
+            parsed = await parse(config, vet)
             parsed.version = version
+            timeout_ms = vetted
+            if timeout_ms is None:
+                timeout_ms = timeout_ms_of(parsed.parameters, config)
+                self.overload.check(model, timeout_ms / 1000.0, unread)
             if not self.watch.model_served(model):
                 raise Unavailable(f"model {model!r} has no worker")
             priority = requested_priority(parsed, config.queue.priority_levels,
@@ -102,15 +125,6 @@ class InferenceService:
             if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
                 regions = await self._bind(parsed, model)
             now_ms = int(time.time() * 1000)
-            timeout_ms = float(config.queue.default_timeout_ms)
-            asked = parsed.parameters.get("timeout")
-            if asked is not None:
-                if isinstance(asked, bool) or not isinstance(asked, int | float) or asked < 0:
-                    raise InvalidInput("parameters.timeout must be a non-negative number of µs")
-                if asked > 0:
-                    timeout_ms = min(timeout_ms, asked / 1000.0)
-            self.overload.check(model, timeout_ms / 1000.0,
-                                None if quiet_since is None else max(0.0, started - quiet_since))
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,
@@ -121,6 +135,9 @@ class InferenceService:
                 outputs=parsed.outputs,
                 params=_params(parsed, config),
             )
+            reserve = self.outside.reserve_us(model)
+            if reserve is not None:
+                request.params[PATH] = reserve
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
                                   parsed.rows, config.queue.max_queue_rows, model)
             reply = await self.dispatcher.submit(admission, request, timeout_ms / 1000.0)
@@ -139,7 +156,9 @@ class InferenceService:
             in_flight.dec()
             if regions is not None:
                 regions.close()
-        self.overload.answered(model, self._count(model, "success", started))
+        took = self._count(model, "success", started)
+        self.overload.answered(model, took)
+        self.outside.observe(model, took, (reply.queue_ms + reply.exec_ms) / 1000.0)
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)
         series.batch_size.observe(reply.batch_rows)
@@ -158,6 +177,19 @@ class InferenceService:
         took = time.perf_counter() - started
         duration.observe(took)
         return took
+
+
+def timeout_ms_of(parameters: dict[str, Any], config: ModelConfig) -> float:
+    """The request's timeout: ``parameters.timeout`` (µs; 0 or absent: none of its own),
+    never longer than the model's ``default_timeout_ms``."""
+    timeout_ms = float(config.queue.default_timeout_ms)
+    asked = parameters.get("timeout")
+    if asked is not None:
+        if isinstance(asked, bool) or not isinstance(asked, int | float) or asked < 0:
+            raise InvalidInput("parameters.timeout must be a non-negative number of µs")
+        if asked > 0:
+            timeout_ms = min(timeout_ms, asked / 1000.0)
+    return timeout_ms
 
 
 def requested_priority(parsed: InferRequest, levels: int, default: int, default_name: str) -> int:

@@ -23,13 +23,14 @@ asks while nothing runs):
 * ``t(n)`` is the whole path of a batch, not the model alone: the time from when the loop
   could start on it (the previous answer sent, or its last row read) to its answers sent,
   so reading, decoding, splitting and answering count as they do for the clients.
-* Past capacity, a batch of ``n`` rows is answered ``t(n)`` plus a reserve of
-  ``shed_reserve × latency_target`` (the path outside the inference process) from now
-  (:meth:`AdaptivePolicy.shed_horizon_s`). The inference loop runs the largest batch whose
-  rows all make it, and answers at once with a deadline error the waiting requests that
-  batch cannot answer in time (batching/shedding.py), instead of running them late: the
-  device spends itself on requests that can still make it, and goodput stays near
-  capacity.
+* Past capacity, a batch of ``n`` rows is answered ``t(n)`` plus a reserve for the path
+  outside the inference process from now (:meth:`AdaptivePolicy.shed_horizon_s`): what
+  the requests' API process reports that path costs (``params[envelope.PATH]``), at least
+  ``shed_floor × latency_target``; until one reports, ``shed_reserve × latency_target``.
+  The inference loop runs the largest batch whose rows all make it, and answers at once
+  with a deadline error the waiting requests that batch cannot answer in time
+  (batching/shedding.py), instead of running them late: the device spends itself on
+  requests that can still make it, and goodput stays near capacity.
 * ``max_batch_size`` and the learned ``row_cap`` bound every batch; with
   ``preferred_batch_sizes`` a ready preferred size goes unless the next one can still be
   reached in time.
@@ -45,6 +46,9 @@ import math
 from dataclasses import dataclass, field
 
 from batching.policy import Decision, effective_cap, preferred_take
+
+PATH_SMOOTHING = 0.1
+"""Weight of the newest report of the path outside the inference process."""
 
 
 @dataclass(slots=True)
@@ -163,8 +167,15 @@ class AdaptivePolicy:
     """Batches the latency fit must have seen before it decides that a request is late."""
     shed_reserve: float = 0.3
     """Share of the latency target kept, when shedding, for the path outside the inference
-    process (the API's admission before, the reply and the network after): a request the
-    device answers just before its deadline reaches its client after it."""
+    process (the API's admission before, the reply and the network after) while no API has
+    said what it costs: a request the device answers just before its deadline reaches its
+    client after it."""
+    shed_floor: float = 0.05
+    """Share of the latency target kept at least, once an API has said what that path
+    costs: for the error of the fit."""
+    path_s: float | None = None
+    """What the requests' API processes report that path costs, smoothed; None until one
+    does."""
     latency: LatencyModel = field(default_factory=LatencyModel)
     arrivals: ArrivalRate = field(default_factory=ArrivalRate)
     _last_end: float = -math.inf
@@ -227,12 +238,17 @@ class AdaptivePolicy:
         self._clock = max(self._clock, now)
         self.arrivals.observe(count, now)
 
+    def observe_path(self, seconds: float) -> None:
+        was = self.path_s
+        self.path_s = seconds if was is None else was + PATH_SMOOTHING * (seconds - was)
+
     def estimates(self) -> dict[str, float]:
         return {
             "arrival_rate_per_s": self.arrivals.rate(self._clock),
             "latency_a_s": self.latency.a,
             "latency_b_s_per_row": self.latency.b,
             "row_cap": float(effective_cap(self.max_rows, self.row_cap)),
+            "shed_reserve_s": self.shed_reserve_s(),
         }
 
     def shed_horizon_s(self, rows: int) -> float:
@@ -241,7 +257,13 @@ class AdaptivePolicy:
         if self.latency.samples < self.trusted_after:
             return 0.0
         rows = min(rows, effective_cap(self.max_rows, self.row_cap))
-        return self.latency.predict(max(1, rows)) + self.shed_reserve * self.latency_target_s
+        return self.latency.predict(max(1, rows)) + self.shed_reserve_s()
+
+    def shed_reserve_s(self) -> float:
+        """The time kept, when shedding, for the path outside the inference process."""
+        if self.path_s is None:
+            return self.shed_reserve * self.latency_target_s
+        return max(self.path_s, self.shed_floor * self.latency_target_s)
 
     def _hidden_wait(self, first_seen: float) -> float:
         if abs(first_seen - self._last_end) <= self.read_lag_s:

@@ -29,6 +29,11 @@ whatever its shapes, and runs alone."""
 VERSION = "version"
 """``params`` key naming the model version a request asked for (a model with version
 folders; absent: the newest served)."""
+PATH = "path_us"
+"""``params`` key: how long the API process that sent the request has lately spent on its
+model's requests outside the inference process (the admission before, the reply after), in
+µs, when it knows (api/outside_path.py): the time the adaptive policy keeps for that path
+when it sheds."""
 
 
 @dataclass(slots=True)

@@ -29,8 +29,9 @@ JOB_QUEUE = "cv.jobs"
 WAKE = "wake"
 """The id of the reply the API pushes onto a running job's reply list when it cancels it."""
 
-ADMIT_LUA = script("admit").text
-"""Admission of a request or a job's chunk (the API admits requests with the same script)."""
+ADMIT_LUA = script("admit_many").text
+"""Admission of a job's chunks for one stream in one call, each in turn against the row
+limit (the API admits requests with the same script)."""
 WITHDRAW_LUA = script("job_withdraw").text
 TRANSITION_LUA = script("job_transition").text
 LEASE_LUA = script("job_lease").text

@@ -38,6 +38,11 @@ class Policy(Protocol):
         """``count`` rows were read from the streams at ``now``."""
         ...
 
+    def observe_path(self, seconds: float) -> None:
+        """Requests' API reported that they spend about ``seconds`` outside the inference
+        process (``params[envelope.PATH]``)."""
+        ...
+
     def estimates(self) -> dict[str, float]:
         """The policy's current estimates, for metrics (empty when it keeps none)."""
         ...
@@ -105,6 +110,9 @@ class FixedWindow:
         """A fixed window learns nothing."""
 
     def observe_arrivals(self, count: int, now: float) -> None:
+        """A fixed window learns nothing."""
+
+    def observe_path(self, seconds: float) -> None:
         """A fixed window learns nothing."""
 
     def estimates(self) -> dict[str, float]:

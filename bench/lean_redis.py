@@ -9,10 +9,10 @@ lean client serves (docs/data-path.md section 7), once per client:
   answer (``RPUSH``, ``EXPIRE``, ``EVAL`` release.lua) sent, read with the next read;
   lean :class:`batching.resp.Connection` against the redis-py pipeline that
   ``CONVEYOR_LEAN_REDIS=0`` puts there (:class:`batching.redis_links.PipelineConnection`).
-- API: one request's admission (``EVALSHA`` admit.lua) and one reply pop (``BLMPOP``),
-  as the dispatcher sends them; lean :class:`batching.resp.Link` against plain redis.asyncio
-  commands and the redis.asyncio pipelines ``CONVEYOR_LEAN_REDIS=0`` uses
-  (:class:`batching.redis_links.PipelineLink`).
+- API: one request's admission (``EVALSHA`` admit_many.lua, one request a call) and one
+  reply pop (``BLMPOP``), as the dispatcher sends them; lean :class:`batching.resp.Link`
+  against plain redis.asyncio commands and the redis.asyncio pipelines
+  ``CONVEYOR_LEAN_REDIS=0`` uses (:class:`batching.redis_links.PipelineLink`).
 
 The cost is this process's CPU time (Redis runs in its own process), per command; the
 wall time per command is shown too. Each client runs ``--rounds`` times, interleaved, and
@@ -107,7 +107,7 @@ def fill_stream(url: str, entries: int) -> None:
 def fill_replies(url: str, replies: int) -> None:
     with redis.Redis.from_url(url) as client:
         client.delete(STREAM, ROWS, REPLIES)
-        client.script_load(script("admit").text)
+        client.script_load(script("admit_many").text)
         for start in range(0, replies, 1000):
             client.rpush(REPLIES, *[PAYLOAD] * min(1000, replies - start))
 
@@ -124,7 +124,7 @@ def worker_round(link: BlockingLink, iterations: int) -> None:
 
 
 def admit(rows: int) -> tuple[Any, ...]:
-    return ("EVALSHA", script("admit").sha, 2, ROWS, STREAM, rows, 1 << 40, PAYLOAD)
+    return ("EVALSHA", script("admit_many").sha, 2, ROWS, STREAM, 1 << 40, rows, PAYLOAD)
 
 
 POP = ("BLMPOP", 1, 1, REPLIES, "LEFT", "COUNT", 1)
@@ -145,7 +145,7 @@ async def link_round(link: AsyncLink[Any], iterations: int) -> None:
 
 async def redis_py_round(client: aioredis.Redis, iterations: int) -> None:
     for _ in range(iterations):
-        await client.evalsha(script("admit").sha, 2, ROWS, STREAM, 1, 1 << 40, PAYLOAD)
+        await client.evalsha(script("admit_many").sha, 2, ROWS, STREAM, 1 << 40, 1, PAYLOAD)
         await client.blmpop(1, 1, REPLIES, direction="LEFT", count=1)
 
 

@@ -48,6 +48,9 @@ class LitServeWindow:
     def observe_arrivals(self, count: int, now: float) -> None:
         pass
 
+    def observe_path(self, seconds: float) -> None:
+        pass
+
     def estimates(self) -> dict[str, float]:
         return {}
 

@@ -1,15 +1,16 @@
 """Batching policies on the real stack: goodput of the adaptive policy against fixed windows,
 under open-loop Poisson and on/off arrivals, with the simulator's prediction beside each point.
 
-Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny] [--loads 10,30,50,70,85,95,110,125]
+Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny,device] [--loads 10,30,50,70,85,95,110,125]
                              [--fixed 0,1000,2000,5000,10000,20000] [--arrivals poisson,on-off]
                              [--point-s 4] [--warmup-s 1] [--target-ms 50] [--max-lag-ms 5]
                              [--out bench/RESULTS-batching.md]
 
 Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the
 adaptive policy measures its closed-loop capacity (the better of 64 and 256 connections, req/s)
-and the whole-path batch time its policy learned (``t(n) = a + b·n``); then each policy in turn
-serves every arrival pattern at every load (a share of that capacity). Requests carry
+and the whole-path batch time its policy learned (``t(n) = a + b·n``); every policy's stack
+runs beside it, and at every arrival pattern and load (a share of that capacity) each policy
+takes its turn, in an order rotated from one point to the next. Requests carry
 ``parameters.timeout`` = the latency target: a client that wants its answer within the target
 says so. Goodput = answers with status 200 within the target, per second. The generator
 (bench.open_loop) reports its own CPU and send lag; a point whose send lag p99 exceeds
@@ -25,6 +26,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -39,7 +41,7 @@ import uvloop
 
 from batching.adaptive import AdaptivePolicy
 from batching.policy import FixedWindow, Policy
-from bench import open_loop
+from bench import device_model, open_loop
 from bench import run as base
 from bench.models import MAX_BATCH_SIZE, write_repository
 from bench.scheduler_sim import Device, run_loop
@@ -80,16 +82,19 @@ class Stack:
 
 
 def request_body(model: str, timeout_us: int) -> bytes:
-    body = json.loads(base.request_body(model))
+    body = (device_model.request_body() if model == device_model.NAME
+            else json.loads(base.request_body(model)))
     body["parameters"] = {"timeout": timeout_us}
     return json.dumps(body).encode()
 
 
 def write_config(repo: Path, model: str, setting: Setting, target_ms: float) -> None:
-    """The model's ``config.yaml``: only its batching section."""
+    """The model's ``config.yaml``: only its batching section (the device model's also
+    declares its tensors)."""
     delay = ADAPTIVE_BOUND_US if setting.adaptive else setting.delay_us
+    declared = device_model.CONFIG if model == device_model.NAME else ""
     (repo / model / "config.yaml").write_text(
-        f"batching:\n  max_queue_delay_us: {delay}\n  adaptive: {str(setting.adaptive).lower()}\n"
+        declared + f"batching:\n  max_queue_delay_us: {delay}\n  adaptive: {str(setting.adaptive).lower()}\n"
         f"  latency_target_ms: {target_ms:g}\n")
 
 
@@ -113,6 +118,11 @@ def conveyor(model: str, repo: Path, work: Path, body: bytes) -> Iterator[Stack]
         yield Stack("127.0.0.1", port, model, body)
 
 
+def connections_for(rate: float) -> int:
+    """Keep-alive connections opened in advance for ``rate`` requests a second."""
+    return max(64, min(2000, int(rate * 0.1)))
+
+
 def drive(stack: Stack, times: list[float], warmup_s: float, connections: int) -> open_loop.Outcome:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(open_loop.run(stack.host, stack.port, stack.path, stack.body, times,
@@ -134,20 +144,27 @@ def capacity_rps(stack: Stack, seconds: float) -> float:
     return max(closed_rps(stack, c, seconds)[0] for c in (64, 256))
 
 
-def make_policy(setting: Setting, target_s: float) -> Policy:
+def max_rows(model: str) -> int:
+    """The model's ``max_batch_size``: conveyor's default for the MLPs."""
+    return device_model.MAX_BATCH_SIZE if model == device_model.NAME else MAX_BATCH_SIZE
+
+
+def make_policy(setting: Setting, target_s: float, rows: int) -> Policy:
     if setting.adaptive:
-        return AdaptivePolicy(MAX_BATCH_SIZE, ADAPTIVE_BOUND_US / 1e6, latency_target_s=target_s)
-    return FixedWindow(MAX_BATCH_SIZE, setting.delay_us / 1e6)
+        return AdaptivePolicy(rows, ADAPTIVE_BOUND_US / 1e6, latency_target_s=target_s)
+    return FixedWindow(rows, setting.delay_us / 1e6)
 
 
 def predict(setting: Setting, times: list[float], seconds: float, device: Device, path_s: float,
-            target_s: float) -> float:
+            target_s: float, rows: int) -> float:
     """The simulator's goodput (req/s) for the same send times over all ``seconds``: a
     request reaches the worker half the fixed path after it is sent, its deadline stays the
     API's (sent + target), and its answer counts if the worker's latency plus the whole
     fixed path is within the target."""
-    out = run_loop([t + path_s / 2 for t in times], device, make_policy(setting, target_s),
-                   MAX_BATCH_SIZE, timeout_s=target_s - path_s / 2)
+    policy = make_policy(setting, target_s, rows)
+    policy.observe_path(path_s)  # as the API reports it to the real stack's policy
+    out = run_loop([t + path_s / 2 for t in times], device, policy, rows,
+                   timeout_s=target_s - path_s / 2)
     return float((out.latency + path_s <= target_s).sum()) / seconds
 
 
@@ -156,14 +173,14 @@ def measure(stack: Stack, setting: Setting, pattern: str, share: float, capacity
     rate = share * capacity
     seconds = args.warmup_s + args.point_s
     times = ARRIVALS[pattern](rate, seconds, round(share * 1000))
-    connections = max(64, min(2000, int(rate * 0.1)))
-    out = drive(stack, times, args.warmup_s, connections)
+    out = drive(stack, times, args.warmup_s, connections_for(rate))
     target_s = args.target_ms / 1e3
     good = out.good(args.target_ms) / args.point_s
     ok_ms = sorted(ms for s, ms in zip(out.statuses, out.latencies_ms, strict=True) if s == 200)
     point = Point(
         setting=setting.label, pattern=pattern, share=share, offered=out.sent / args.point_s,
-        goodput=good, predicted=predict(setting, times, seconds, device, path_s, target_s),
+        goodput=good, predicted=predict(setting, times, seconds, device, path_s, target_s,
+                          max_rows(stack.model)),
         p99_ms=ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))] if ok_ms else float("nan"),
         ok=out.count(200), late_or_shed=out.count(504), other=len(out.statuses) - out.count(200)
         - out.count(504) + out.lost, gen_cpu=out.cpu_share, lag_p99_ms=out.lag_p99_ms(),
@@ -172,27 +189,49 @@ def measure(stack: Stack, setting: Setting, pattern: str, share: float, capacity
     return point
 
 
-def sweep_model(model: str, repo: Path, work: Path, args: argparse.Namespace) -> dict[str, object]:
+def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, object]:
+    """Every policy's stack side by side (an idle one costs next to nothing), the adaptive
+    one measuring the capacity and the batch time it learned; then, at each pattern and
+    load, every policy in turn, the order rotated from one point to the next. A host whose
+    speed drifts over the sweep then favours no policy: run one after the other, the last
+    policy met a different host than the first."""
     body = request_body(model, int(args.target_ms * 1000))
     adaptive = Setting(True, 0)
-    write_config(repo, model, adaptive, args.target_ms)
-    with conveyor(model, repo, work, body) as stack:
-        closed_rps(stack, 64, args.warmup_s + 1)
-        capacity = capacity_rps(stack, args.capacity_s)
+    settings = [adaptive, *(Setting(False, d) for d in args.fixed)]
+    exported = work / "exported"
+    if not exported.exists():
+        write_repository(exported)
+        device_model.write(exported)
+    with ExitStack() as stacks:
+        served: dict[Setting, Stack] = {}
+        for setting in settings:
+            folder = work / model / setting.label.replace(" ", "-")
+            # The models exported once, hard-linked into each stack's repository; its own
+            # config.yaml is a new file (the export has none), so no stack sees another's.
+            shutil.copytree(exported, folder / "repo", copy_function=os.link)
+            write_config(folder / "repo", model, setting, args.target_ms)
+            served[setting] = stacks.enter_context(conveyor(model, folder / "repo", folder, body))
+        learned = served[adaptive]
+        closed_rps(learned, 64, args.warmup_s + 1)
+        capacity = capacity_rps(learned, args.capacity_s)
         time.sleep(1.0)  # a heartbeat carries the policy's fit to the API
-        a, b = stack.estimates()
-        _, c1_ms = closed_rps(stack, 1, 2.0)
-    device = Device(f"{model} (learned)", base_s=a, per_row_s=b)
-    path_s = max(0.0, c1_ms / 1e3 - device.seconds(1))
-    print(f"{model}: capacity {capacity:.0f} req/s, t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} ms·n, "
-          f"fixed path {path_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
-    points: list[Point] = []
-    for setting in [adaptive, *(Setting(False, d) for d in args.fixed)]:
-        write_config(repo, model, setting, args.target_ms)
-        with conveyor(model, repo, work, body) as stack:
-            closed_rps(stack, 64, args.warmup_s)
-            points += [measure(stack, setting, pattern, share, capacity, args, device, path_s)
-                       for pattern in args.arrivals for share in args.loads]
+        a, b = learned.estimates()
+        _, c1_ms = closed_rps(learned, 1, 2.0)
+        device = Device(f"{model} (learned)", base_s=a, per_row_s=b)
+        path_s = max(0.0, c1_ms / 1e3 - device.seconds(1))
+        print(f"{model}: capacity {capacity:.0f} req/s, t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} "
+              f"ms·n, fixed path {path_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
+        for setting in settings[1:]:
+            closed_rps(served[setting], 64, args.warmup_s)
+        points: list[Point] = []
+        at = [(pattern, share) for pattern in args.arrivals for share in args.loads]
+        for turn, (pattern, share) in enumerate(at):
+            first = turn % len(settings)
+            for setting in settings[first:] + settings[:first]:
+                points.append(measure(served[setting], setting, pattern, share, capacity, args,
+                                      device, path_s))
+    labels = [setting.label for setting in settings]
+    points.sort(key=lambda p: labels.index(p.setting))  # the report's order: policy by policy
     return {"model": model, "capacity": capacity, "a": a, "b": b, "path_s": path_s, "points": points}
 
 
@@ -202,7 +241,7 @@ def words(text: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    parser.add_argument("--models", type=words, default=["mlp_medium", "mlp_tiny"])
+    parser.add_argument("--models", type=words, default=["mlp_medium", "mlp_tiny", device_model.NAME])
     parser.add_argument("--loads", type=lambda s: [int(v) / 100 for v in words(s)],
                         default=[0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 1.1, 1.25], help="%% of capacity")
     parser.add_argument("--fixed", type=lambda s: [int(v) for v in words(s)],
@@ -220,9 +259,7 @@ def main() -> None:
     load0 = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     results = []
     with tempfile.TemporaryDirectory(prefix="conveyor-sweep-") as tmp:
-        work = Path(tmp)
-        write_repository(work / "repo")
-        results = [sweep_model(model, work / "repo", work, args) for model in args.models]
+        results = [sweep_model(model, Path(tmp), args) for model in args.models]
     args.out.write_text(report(results, args, started_at, load0))
     print(f"wrote {args.out}", file=sys.stderr)
 

@@ -15,6 +15,11 @@ from bench.run_report import NCPU
 
 TOLERANCE = 0.02
 """Goodput within this share of the best fixed window counts as a tie (measurement noise)."""
+SERVED = 0.99
+"""Past the closed-loop capacity, a load where the best fixed window answered this share of
+what was offered in time is one the stack still serves: a tie there is met. (A closed loop
+of 64 clients keeps 64 requests waiting, so its rate can be below what open-loop arrivals
+get answered.)"""
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,11 @@ def verdict(points: Sequence[Point], target_ms: float) -> tuple[list[str], bool]
                 continue
             best = max(fixed, key=lambda p: p.goodput)
             ratio = ours.goodput / best.goodput if best.goodput else math.inf
-            ok = ratio > 1.0 if share > 1.0 else ratio >= 1.0 - TOLERANCE
+            # Past the closed-loop capacity, strictly more; but where a fixed window still
+            # answered nearly all that was offered in time, the load did not exceed what
+            # the stack serves, and no policy can answer more than everything.
+            past = share > 1.0 and best.goodput < SERVED * best.offered
+            ok = ratio > 1.0 if past else ratio >= 1.0 - TOLERANCE
             if share <= 0.8 and not ours.p99_ms <= target_ms:
                 ok = False
             if ours.refused:
@@ -103,9 +112,12 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         "the load generator runs on the same box",
         f"- command: `{' '.join(['python -m bench.sweep', *sys.argv[1:]])}`",
         f"- conveyor as `make run` serves it (`python -m api.serve`, one Celery worker, its own "
-        f"redis-server); each model's `config.yaml` holds only `batching: {{max_queue_delay_us, "
+        f"redis-server), one stack per policy, all side by side; at each pattern and load the "
+        f"policies take turns, in an order rotated from one point to the next; each model's "
+        f"`config.yaml` holds only `batching: {{max_queue_delay_us, "
         f"adaptive, latency_target_ms: {args.target_ms:g}}}` (adaptive: max_queue_delay_us 20000, "
-        "a bound, not a wait)",
+        "a bound, not a wait; the device model's also declares its tensors: "
+        "bench/device_model.py, a batch of n rows sleeps 8 ms + 0.5 ms·n)",
         f"- load: bench.open_loop, keep-alive HTTP/1.1 connections opened in advance, one JSON "
         f"request (one row) encoded once, `parameters.timeout` = {args.target_ms:g} ms; "
         f"{args.warmup_s:g} s warm-up then {args.point_s:g} s measured per point; latency from the "
@@ -128,7 +140,9 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
             f"Learned whole-path batch time t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} ms·n; "
             f"fixed path outside the worker {path_s * 1e3:.2f} ms.", "",
             "Adaptive against the best fixed window at each load (ties within "
-            f"{TOLERANCE:.0%} count as met below capacity; above it, strictly more):", "",
+            f"{TOLERANCE:.0%} count as met below capacity; above it, strictly more, unless "
+            f"the best fixed window answered at least {SERVED:.0%} of what was offered in "
+            "time, which no policy can beat by more than noise):", "",
             *rows, "", f"Verdict: **{'met' if met else 'not met'}**.", "",
             "Every point:", "", *table(points), "",
         ]

@@ -123,11 +123,13 @@ def test_under_load_a_preferred_size_goes_when_the_next_is_out_of_reach() -> Non
 def test_estimates_report_what_was_learned() -> None:
     policy = taught(a=0.003, b=0.0002, rate=2000.0)
     est = policy.estimates()
-    assert set(est) == {"arrival_rate_per_s", "latency_a_s", "latency_b_s_per_row", "row_cap"}
+    assert set(est) == {"arrival_rate_per_s", "latency_a_s", "latency_b_s_per_row", "row_cap",
+                        "shed_reserve_s"}
     assert est["latency_a_s"] == pytest.approx(0.003, rel=1e-3)
     assert est["latency_b_s_per_row"] == pytest.approx(0.0002, rel=1e-3)
     assert est["arrival_rate_per_s"] == pytest.approx(2000.0, rel=0.05)
     assert est["row_cap"] == 64.0
+    assert est["shed_reserve_s"] == pytest.approx(0.3 * policy.latency_target_s)  # no API reported
 
 
 def test_latency_fit_skips_warm_up_and_clips_outliers() -> None:

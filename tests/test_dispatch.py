@@ -154,15 +154,15 @@ def test_a_tick_of_many_requests_is_written_in_chunks(server: RedisServer) -> No
     """The first ADMIT_CHUNK requests of a tick reach Redis before the tick's last one is
     submitted, so a worker can start on them while the API parses the rest."""
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
-        assert dispatcher._writer is not None
-        writer, writes = dispatcher._writer, []
-        write = writer.write
+        writes: list[int] = []
+        flush = dispatcher._flush
 
-        def counting(prepared: Any, handlers: list[Callable[[Any], None]]) -> None:
-            writes.append(len(handlers))
-            write(prepared, handlers)
+        def counting() -> None:
+            if dispatcher._outbox:
+                writes.append(len(dispatcher._outbox))  # the requests this write takes
+            flush()
 
-        writer.write = counting  # type: ignore[method-assign]
+        dispatcher._flush = counting  # type: ignore[method-assign]
         sent = [request(dispatcher) for _ in range(2 * ADMIT_CHUNK + 8)]
         waiting = [asyncio.ensure_future(dispatcher.submit(admission(), r, 5)) for r in sent]
         await asyncio.sleep(0)  # every submit runs in this one tick
@@ -172,6 +172,72 @@ def test_a_tick_of_many_requests_is_written_in_chunks(server: RedisServer) -> No
         served = [await serve_one(client) for _ in sent]
         assert [s.id for s in served] == [r.id for r in sent]
         assert [r.id for r in await asyncio.gather(*waiting)] == [r.id for r in sent]
+    run(server, body)
+
+
+async def ids_in(client: aioredis.Redis, stream: str) -> list[str]:
+    """The request ids of ``stream``'s entries, oldest first."""
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], await client.xrange(stream))
+    return [Request.decode(fields[FIELD]).id for _, fields in entries]
+
+
+async def stream_holds(client: aioredis.Redis, stream: str, count: int) -> None:
+    for _ in range(500):
+        if await client.xlen(stream) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{stream} never held {count} entries")
+
+
+def admission_calls(info: dict[str, Any]) -> int:
+    return sum(int(info.get(f"cmdstat_{verb}", {}).get("calls", 0)) for verb in ("evalsha", "eval"))
+
+
+def test_a_write_admits_each_streams_requests_in_one_script_call(server: RedisServer) -> None:
+    """Twelve requests of one tick for two priority levels: two script calls, one per
+    stream, each request in its stream in the order submitted."""
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        other = KEYS.queue("m", 2)
+        await client.config_resetstat()
+        before = admission_calls(await client.info("commandstats"))
+        sent = [request(dispatcher) for _ in range(12)]
+        streams = [STREAM if i % 3 else other for i in range(12)]
+        waiting = [asyncio.ensure_future(dispatcher.submit(
+            Admission(stream, KEYS.rows_waiting("m"), 1, 100), r, 5))
+            for r, stream in zip(sent, streams, strict=True)]
+        await stream_holds(client, STREAM, 8)
+        await stream_holds(client, other, 4)
+        assert admission_calls(await client.info("commandstats")) - before == 2
+        for stream in (STREAM, other):
+            assert await ids_in(client, stream) == [
+                r.id for r, s in zip(sent, streams, strict=True) if s == stream]
+        assert await client.get(KEYS.rows_waiting("m")) == b"12"
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+    run(server, body)
+
+
+def test_within_one_call_each_request_is_held_to_the_rows_admitted_before_it(
+        server: RedisServer) -> None:
+    """Rows 2, 2, 1, 1 against a limit of 4 with 1 waiting: the first fits (3), the second
+    would not (5), the third does (4), the fourth would not (5), as one call each would."""
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        await client.set(KEYS.rows_waiting("m"), 1)
+        sizes = [2, 2, 1, 1]
+        sent = [request(dispatcher, rows) for rows in sizes]
+        waiting = [asyncio.ensure_future(dispatcher.submit(admission(rows, 4), r, 5))
+                   for r, rows in zip(sent, sizes, strict=True)]
+        await asyncio.wait([waiting[1], waiting[3]], timeout=5)
+        with pytest.raises(Overloaded, match="3 rows waiting, limit 4"):
+            waiting[1].result()
+        with pytest.raises(Overloaded, match="4 rows waiting, limit 4"):
+            waiting[3].result()
+        assert await ids_in(client, STREAM) == [sent[0].id, sent[2].id]
+        assert await client.get(KEYS.rows_waiting("m")) == b"4"
+        for task in (waiting[0], waiting[2]):
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
     run(server, body)
 
 

@@ -55,7 +55,7 @@ def streams_on(url: str, keys: Keys, consumer: str = "c1") -> ModelStreams:
 
 def admit(client: redis.Redis, keys: Keys, rows: int, width: int = 4, priority: int = 2
           ) -> None:
-    """What admit.lua does for a request of ``rows`` rows of ``width`` floats."""
+    """What admit_many.lua does for a request of ``rows`` rows of ``width`` floats."""
     x = Tensor.from_array("x", np.zeros((rows, width), np.float32))
     request = Request(uuid.uuid4().hex, "cv:reply:test", 0, 0, priority, [x])
     client.xadd(keys.queue(MODEL, priority), {"d": request.encode(), "r": rows})

@@ -32,7 +32,7 @@ from functools import partial
 from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
-from batching.envelope import Reply
+from batching.envelope import PATH, Reply
 from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import Keys
@@ -292,6 +292,10 @@ class InferenceLoop:
     def _arrived(self, fresh: list[Entry]) -> None:
         if fresh:
             self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
+            paths = [p for e in fresh if isinstance(p := e.request.params.get(PATH), int)
+                     and not isinstance(p, bool) and p >= 0]  # µs, from an API process
+            if paths:
+                self.policy.observe_path(max(paths) / 1e6)
             self.former.add(fresh)
         if self.streams.withdrawn:
             gone = self.former.take_withdrawn(self.streams.withdrawn)

@@ -107,6 +107,7 @@ class JobRunner:
         self._reply_key = keys.job_replies(record.id)
         self._stream = keys.queue(record.model, record.priority)
         self._rows_key = keys.rows_waiting(record.model)
+        self._admit = client.register_script(ADMIT_LUA)
         self._withdraw = client.register_script(WITHDRAW_LUA)
         self._transition = client.register_script(TRANSITION_LUA)
         self._lease = client.register_script(LEASE_LUA)
@@ -267,7 +268,7 @@ class JobRunner:
         wall_ms = int(time.time() * 1000)
         deadline_ms = wall_ms + int(self.settings.job_chunk_timeout_s * 1000)
         requests = []
-        pipe = self.client.pipeline(transaction=False)
+        args: list[Any] = [self.record.max_queue_rows]
         for index in batch:
             self._attempts += 1
             request = Request(id=f"{self.record.id}:{index}:{self.token}.{self._attempts}",
@@ -275,12 +276,11 @@ class JobRunner:
                               prio=self.record.priority, inputs=self.rows.chunk(index),
                               outputs=self.record.outputs)
             requests.append(request)
-            pipelined(pipe, ADMIT_LUA, [self._rows_key, self._stream],
-                      [request.rows, self.record.max_queue_rows, request.encode()])
+            args += (request.rows, request.encode())
+        admitted = self._admit(keys=[self._rows_key, self._stream], args=args)
         late_at = now + self.settings.job_chunk_timeout_s + LATE_GRACE_S
         rejected: list[int] = []
-        for index, request, (waiting, entry_id) in zip(batch, requests, pipe.execute(),
-                                                       strict=True):
+        for index, request, (waiting, entry_id) in zip(batch, requests, admitted, strict=True):
             if waiting < 0:
                 rejected.append(index)
             else:

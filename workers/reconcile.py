@@ -2,7 +2,7 @@
 
 The counter (``cv:{m}:rows``) is what admission checks ``max_queue_rows`` against; a counter
 above the rows really waiting turns requests away (503, queue full) although the queue is empty.
-Admission adds an entry and its rows in one step (admit.lua), and release.lua
+Admission adds an entry and its rows in one step (admit_many.lua), and release.lua
 deletes answered entries and releases the rows of exactly those it deleted, so by itself
 the counter equals the rows of the entries in the streams, across Redis restarts too. What
 can still part them comes from outside: keys evicted or deleted by hand, a restore of

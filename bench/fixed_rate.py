@@ -1,0 +1,61 @@
+"""Open-loop points at fixed offered rates, with what every request got.
+
+``python -m bench.fixed_rate mlp_medium 1500,2000,2500`` starts the stack as
+:mod:`bench.sweep` does (one per run), sends Poisson arrivals at each rate (1 s warm-up,
+then ``--seconds`` measured, ``parameters.timeout`` = ``--target-ms``) and prints the
+goodput (200s within the target, per second) and the count of each status. Where the
+sweep takes shares of a capacity it measures once, this takes absolute rates: on a host
+whose speed drifts, alternate runs of two variants at the same rates compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+from pathlib import Path
+
+from bench import sweep
+from bench.models import write_repository
+from bench.sweep_report import Setting
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("rates", type=lambda s: [float(v) for v in s.split(",")],
+                        help="offered requests per second, comma-separated")
+    parser.add_argument("--window-us", type=int, default=None,
+                        help="a fixed window (max_queue_delay_us) instead of the adaptive policy")
+    parser.add_argument("--intra-op", type=int, default=None,
+                        help="cpu_threads.intra_op of the model (default: derived from the cores)")
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--target-ms", type=float, default=50.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="conveyor-fixed-rate-") as folder:
+        run(args, Path(folder))
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    """Every rate of ``args`` on one stack whose repository and logs are in ``work``."""
+    setting = Setting(args.window_us is None, args.window_us or 0)
+    repo = work / "repo"
+    write_repository(repo)
+    sweep.write_config(repo, args.model, setting, args.target_ms)
+    if args.intra_op is not None:
+        with (repo / args.model / "config.yaml").open("a") as config:
+            config.write(f"cpu_threads:\n  intra_op: {args.intra_op}\n")
+    body = sweep.request_body(args.model, int(args.target_ms * 1000))
+    with sweep.conveyor(args.model, repo, work, body) as stack:
+        sweep.closed_rps(stack, 64, 2.0)
+        for rate in args.rates:
+            times = sweep.ARRIVALS["poisson"](rate, 1.0 + args.seconds, int(rate))
+            out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
+            statuses = dict(sorted(collections.Counter(out.statuses).items()))
+            print(f"{setting.label} {rate:.0f} req/s: goodput "
+                  f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses {statuses}, "
+                  f"lost {out.lost}, send lag p99 {out.lag_p99_ms():.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
