@@ -5,9 +5,10 @@ neighbours keep their deliveries and succeed (issue 10: one bad part stays alone
 from __future__ import annotations
 
 import multiprocessing
+import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -133,3 +134,28 @@ def test_the_blame_names_the_stream_as_well_as_the_entry_id(
     third = streams_of("third")
     assert [e.deliveries for e in third.claim_from(keys.queue(MODEL, 1), "second", 10)] == [2]
     assert [e.deliveries for e in third.claim_from(keys.queue(MODEL, 2), "second", 10)] == [3]
+
+
+def test_two_processes_claiming_a_dead_consumer_at_once_run_each_entry_once(
+        client: redis.Redis, keys: Keys, streams_of: Callable[[str], ModelStreams],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both saw the dead consumer's entries pending; the one that claims second takes none
+    (before, both took all of them, and each request ran twice)."""
+    admit(client, keys, 3)
+    stream = keys.queue(MODEL, 1)
+    read = streams_of("dead").read(10, None)
+    time.sleep(0.05)  # the entries idle a while, as a dead consumer's do
+    late, early = streams_of("late"), streams_of("early")
+    taken: list[Entry] = []
+    seen = late._redis.xpending_range
+
+    def pending_then_overtaken(*args: Any, **kwargs: Any) -> Any:
+        pending = seen(*args, **kwargs)
+        taken.extend(early.claim_from(stream, "dead", 10))  # between late's XPENDING and XCLAIM
+        return pending
+
+    monkeypatch.setattr(late._redis, "xpending_range", pending_then_overtaken)
+    assert late.claim_from(stream, "dead", 10) == []
+    assert [e.entry_id for e in taken] == [e.entry_id for e in read]
+    held = client.xpending_range(stream, GROUP, min="-", max="+", count=10)
+    assert {cast(bytes, p["consumer"]).decode() for p in held} == {"early"}

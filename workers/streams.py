@@ -127,6 +127,11 @@ class ModelStreams:
         entry it was running alone. Re-delivered entries it merely held keep their count,
         so a request that kills process after process does not take its old neighbours to
         the dead-letter stream with it.
+
+        Another live process may be claiming the same entries at the same time. Each
+        XCLAIM asks for at least the idle time this call's XPENDING saw: a claim in
+        between makes an entry idle afresh, so only one of two racing processes takes it
+        and it runs once, not twice.
         """
         pending = self._redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
                                              consumername=consumer)
@@ -134,15 +139,19 @@ class ModelStreams:
             return []
         blamed = _text(self._redis.hget(self.suspects_key, consumer) or b"")
         deliveries: dict[str, int] = {}
+        idle_ms: dict[str, int] = {}
         for p in pending:
             entry_id, times = _text(p["message_id"]), int(p["times_delivered"])
             suspect = blamed == _trial(stream, entry_id)
             deliveries[entry_id] = times + 1 if times == 1 or suspect else times
+            idle_ms[entry_id] = int(p["time_since_delivered"])
         claimed: list[Any] = []
         for times in sorted(set(deliveries.values())):
-            ids: list[int | bytes | str | memoryview[int]] = [
-                i for i, n in deliveries.items() if n == times]
-            claimed += self._redis.xclaim(stream, GROUP, self.consumer, 0, ids, retrycount=times)
+            named = [i for i, n in deliveries.items() if n == times]
+            ids: list[int | bytes | str | memoryview[int]] = list(named)
+            seen_idle = min(idle_ms[i] for i in named)
+            claimed += self._redis.xclaim(stream, GROUP, self.consumer, seen_idle, ids,
+                                          retrycount=times)
         if any(blamed == _trial(stream, i) for i in deliveries):  # blamed once: it has served
             self._redis.hdel(self.suspects_key, consumer)
         return self._entries(stream, sorted(claimed, key=lambda item: _order(item[0])),
