@@ -4,13 +4,14 @@ under open-loop Poisson and on/off arrivals, with the simulator's prediction bes
 Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny,device] [--loads 10,30,50,70,85,95,110,125]
                              [--fixed 0,1000,2000,5000,10000,20000] [--arrivals poisson,on-off]
                              [--point-s 4] [--warmup-s 1] [--target-ms 50] [--max-lag-ms 5]
-                             [--out bench/RESULTS-batching.md]
+                             [--repeats 1] [--out bench/RESULTS-batching.md]
 
 Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the
 adaptive policy measures its closed-loop capacity (the better of 64 and 256 connections, req/s)
 and the whole-path batch time its policy learned (``t(n) = a + b·n``); every policy's stack
 runs beside it, and at every arrival pattern and load (a share of that capacity) each policy
-takes its turn, in an order rotated from one point to the next. Requests carry
+takes its turn, in an order rotated from one point to the next (``--repeats`` rounds of
+turns; each policy's point is then its run of median goodput). Requests carry
 ``parameters.timeout`` = the latency target: a client that wants its answer within the target
 says so. Goodput = answers with status 200 within the target, per second. The generator
 (bench.open_loop) reports its own CPU and send lag; a point whose send lag p99 exceeds
@@ -45,7 +46,7 @@ from bench import device_model, open_loop
 from bench import run as base
 from bench.models import MAX_BATCH_SIZE, write_repository
 from bench.scheduler_sim import Device, run_loop
-from bench.sweep_report import Point, Setting, report
+from bench.sweep_report import Point, Setting, median_run, report
 from conveyor.harness import RedisServer, free_port
 
 ARRIVALS: dict[str, Callable[[float, float, int], list[float]]] = {
@@ -225,11 +226,17 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
             closed_rps(served[setting], 64, args.warmup_s)
         points: list[Point] = []
         at = [(pattern, share) for pattern in args.arrivals for share in args.loads]
-        for turn, (pattern, share) in enumerate(at):
-            first = turn % len(settings)
-            for setting in settings[first:] + settings[:first]:
-                points.append(measure(served[setting], setting, pattern, share, capacity, args,
-                                      device, path_s))
+        turn = 0
+        for pattern, share in at:
+            runs: dict[Setting, list[Point]] = {setting: [] for setting in settings}
+            for _ in range(args.repeats):
+                first = turn % len(settings)
+                turn += 1
+                for setting in settings[first:] + settings[:first]:
+                    runs[setting].append(measure(served[setting], setting, pattern, share,
+                                                 capacity, args, device, path_s))
+            points += [runs[setting][0] if args.repeats == 1 else median_run(runs[setting])
+                       for setting in settings]
     labels = [setting.label for setting in settings]
     points.sort(key=lambda p: labels.index(p.setting))  # the report's order: policy by policy
     return {"model": model, "capacity": capacity, "a": a, "b": b, "path_s": path_s, "points": points}
@@ -253,6 +260,8 @@ def main() -> None:
     parser.add_argument("--capacity-s", type=float, default=5.0)
     parser.add_argument("--target-ms", type=float, default=50.0)
     parser.add_argument("--max-lag-ms", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds per pattern and load; a policy's point is its median run")
     parser.add_argument("--out", type=Path, default=base.ROOT / "bench" / "RESULTS-batching.md")
     args = parser.parse_args()
     started_at = datetime.now(UTC)

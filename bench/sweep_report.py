@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -47,12 +47,25 @@ class Point:
     gen_cpu: float
     lag_p99_ms: float
     refused: bool
+    runs: tuple[float, ...] = ()
+    """With ``--repeats``: the goodput of each run of this policy at this point, in the
+    order they ran (the point's other figures are its median run's)."""
 
     def line(self) -> str:
         return (f"{self.setting:<12} {self.pattern:<8} {self.share:>5.0%}: offered {self.offered:6.0f} "
                 f"goodput {self.goodput:6.0f} (sim {self.predicted:6.0f}) p99 {self.p99_ms:7.1f} ms "
                 f"200/504/other {self.ok}/{self.late_or_shed}/{self.other} gen cpu "
                 f"{self.gen_cpu:.0%} lag p99 {self.lag_p99_ms:.1f} ms" + (" REFUSED" if self.refused else ""))
+
+
+def median_run(runs: Sequence[Point]) -> Point:
+    """One policy's runs at one pattern and load as one point: the run of median goodput
+    among those whose generator kept up (the lower middle one of an even count), carrying
+    every run's goodput. Where the generator fell behind in every run, the median of those,
+    still refused."""
+    kept = [p for p in runs if not p.refused] or list(runs)
+    middle = sorted(kept, key=lambda p: p.goodput)[(len(kept) - 1) // 2]
+    return replace(middle, runs=tuple(p.goodput for p in runs))
 
 
 def fmt(value: float, digits: int = 0) -> str:
@@ -91,11 +104,14 @@ def verdict(points: Sequence[Point], target_ms: float) -> tuple[list[str], bool]
 
 
 def table(points: Sequence[Point]) -> list[str]:
-    out = ["| policy | pattern | load | offered req/s | goodput req/s | simulator req/s | p99 ms (200s) | "
+    runs = any(len(p.runs) > 1 for p in points)
+    out = ["| policy | pattern | load | offered req/s | goodput req/s | "
+           + ("goodput of each run | " if runs else "") + "simulator req/s | p99 ms (200s) | "
            "200 / 504 / other | generator CPU | send lag p99 ms |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if runs else "")]
     return out + [f"| {p.setting} | {p.pattern} | {p.share:.0%} | {fmt(p.offered)} | {fmt(p.goodput)} | "
-                  f"{fmt(p.predicted)} | {fmt(p.p99_ms, 1)} | {p.ok} / {p.late_or_shed} / {p.other} | "
+                  + (" / ".join(fmt(g) for g in p.runs) + " | " if runs else "")
+                  + f"{fmt(p.predicted)} | {fmt(p.p99_ms, 1)} | {p.ok} / {p.late_or_shed} / {p.other} | "
                   f"{p.gen_cpu:.0%} | {p.lag_p99_ms:.1f}" + (" (refused)" if p.refused else "") + " |"
                   for p in points]
 
@@ -124,6 +140,11 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         f"scheduled send time; goodput = 200s within {args.target_ms:g} ms per second; a point whose "
         f"send lag p99 exceeds {args.max_lag_ms:g} ms is refused",
         "- on-off: 100 ms of Poisson arrivals at twice the rate, then 100 ms silent (same mean)",
+        *([f"- repeats: {args.repeats} rounds per pattern and load, every policy once per round "
+           "(the order rotated from round to round); a policy's point is its run of median "
+           "goodput among those whose generator kept up, with every run's goodput beside it: "
+           "so the best fixed window is the best of the windows' medians, not the luckiest of "
+           "their single runs"] if args.repeats > 1 else []),
         "- simulator: bench.scheduler_sim.run_loop with the same send times, a device with the "
         "whole-path batch time the adaptive policy learned on the real stack, the same policy, "
         "and the fixed path outside the worker (c=1 latency − t(1)) added to each answer", "",

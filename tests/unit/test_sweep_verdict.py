@@ -1,10 +1,13 @@
 """The batching sweep's verdict (bench/sweep_report.py): past the closed-loop capacity the
 adaptive policy must answer strictly more in time than the best fixed window, unless that
-window answered nearly everything offered."""
+window answered nearly everything offered; with repeats, each policy is judged by its run of
+median goodput."""
 
 from __future__ import annotations
 
-from bench.sweep_report import Point, verdict
+from dataclasses import replace
+
+from bench.sweep_report import Point, median_run, verdict
 
 
 def at(setting: str, share: float, offered: float, goodput: float) -> Point:
@@ -22,3 +25,24 @@ def test_past_capacity_a_tie_is_met_only_where_the_fixed_window_answered_nearly_
     assert not met and lines[-1].endswith("| **not met** |")
     ahead = [at("adaptive", 1.1, 800, 700), at("fixed 0 ms", 1.1, 800, 640)]
     assert verdict(ahead, 50.0)[1]
+
+
+def test_repeated_runs_are_judged_by_their_median_not_their_luckiest() -> None:
+    fixed = [at("fixed 0 ms", 0.7, 800, g) for g in (800, 560, 610)]
+    adaptive = [at("adaptive", 0.7, 800, g) for g in (640, 600, 790)]
+    # One run each, the luckiest fixed window beats the adaptive policy's typical run ...
+    assert not verdict([adaptive[0], fixed[0]], 50.0)[1]
+    # ... by their medians they tie (640 against 610: the adaptive policy is ahead).
+    ours, theirs = median_run(adaptive), median_run(fixed)
+    assert (ours.goodput, theirs.goodput) == (640, 610)
+    assert ours.runs == (640, 600, 790) and theirs.runs == (800, 560, 610)
+    assert verdict([ours, theirs], 50.0)[1]
+
+
+def test_runs_where_the_generator_fell_behind_do_not_count_toward_the_median() -> None:
+    runs = [at("adaptive", 0.7, 800, 790), replace(at("adaptive", 0.7, 800, 100), refused=True),
+            at("adaptive", 0.7, 800, 780)]
+    kept = median_run(runs)
+    assert kept.goodput == 780 and not kept.refused and kept.runs == (790, 100, 780)
+    every = median_run([replace(p, refused=True) for p in runs])
+    assert every.refused and every.goodput == 780
