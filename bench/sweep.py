@@ -235,8 +235,7 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
                 for setting in settings[first:] + settings[:first]:
                     runs[setting].append(measure(served[setting], setting, pattern, share,
                                                  capacity, args, device, path_s))
-            points += [runs[setting][0] if args.repeats == 1 else median_run(runs[setting])
-                       for setting in settings]
+            points += [median_run(runs[setting]) for setting in settings]
     labels = [setting.label for setting in settings]
     points.sort(key=lambda p: labels.index(p.setting))  # the report's order: policy by policy
     return {"model": model, "capacity": capacity, "a": a, "b": b, "path_s": path_s, "points": points}
