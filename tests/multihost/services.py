@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -147,7 +148,28 @@ class Services:
     def logs(self) -> str:
         return "".join(proc.tail(1500) for proc in self.procs)
 
+    def groups(self) -> str:
+        """The model's consumers as Redis holds them (pending, idle) and the age of each
+        heartbeat: what a failed wait on a reclaim needs to be read."""
+        now = time.time()
+        try:
+            with self.client() as client:
+                lines = [f"{stream}: " + ", ".join(
+                    f"{_name(c['name'])} pending {c['pending']} idle {c['idle']} ms"
+                    for c in cast(list[dict[str, Any]], client.xinfo_consumers(stream, GROUP)))
+                    for stream in self.keys.queues(MODEL, LEVELS) if client.exists(stream)]
+                beats = cast(dict[bytes, bytes], client.hgetall(self.keys.workers(MODEL)))
+        except redis.RedisError as exc:
+            return f"(Redis could not be read: {exc})"
+        lines += [f"beat {k.decode()}: {now - float(json.loads(v).get('ts', 0)):.1f} s old"
+                  for k, v in beats.items()]
+        return "\n".join(lines)
+
     def stop(self) -> None:
         """SIGKILL every process group: nothing here needs a clean stop."""
         for proc in self.procs:
             proc.kill_group()
+
+
+def _name(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw

@@ -97,7 +97,7 @@ class Run:
         try:
             wait_until(condition, timeout, what, interval=0.1, watch=self.alive)
         except (TimeoutError, ChildProcessError) as exc:
-            raise AssertionError(f"{exc}\n{self.services.logs()}") from None
+            raise AssertionError(f"{exc}\n{self.services.groups()}\n{self.services.logs()}") from None
         return time.monotonic()
 
     def answered(self, count: int, after: float, what: str, api: int | None = None) -> float:
