@@ -67,7 +67,10 @@ def gone(pid: int) -> bool:
 def test_pool_restarts_a_dead_child_and_passes_sigterm_on(tmp_path: Path) -> None:
     proc, out = start_pool(tmp_path, "serve")
     try:
-        wait_for(lambda: len(children_of(proc.pid)) == 2, 20, "two children")
+        # Both running serve() (each has written its file): a child killed before it got
+        # there would never write one, and the count below would wait for it in vain.
+        wait_for(lambda: len(children_of(proc.pid)) == 2 and len(list(out.iterdir())) == 2,
+                 20, "two children started")
         first = children_of(proc.pid)
         victim = min(first)
         os.kill(victim, signal.SIGKILL)
