@@ -22,6 +22,7 @@ from typing import Any, cast
 import redis
 
 from batching.keys import GROUP, Keys
+from batching.repository_scan import as_text
 from tests.multihost.netns import Host
 from tests.procs import ROOT, Proc, wait_for
 
@@ -155,7 +156,7 @@ class Services:
         try:
             with self.client() as client:
                 lines = [f"{stream}: " + ", ".join(
-                    f"{_name(c['name'])} pending {c['pending']} idle {c['idle']} ms"
+                    f"{as_text(c['name'])} pending {c['pending']} idle {c['idle']} ms"
                     for c in cast(list[dict[str, Any]], client.xinfo_consumers(stream, GROUP)))
                     for stream in self.keys.queues(MODEL, LEVELS) if client.exists(stream)]
                 beats = cast(dict[bytes, bytes], client.hgetall(self.keys.workers(MODEL)))
@@ -169,7 +170,3 @@ class Services:
         """SIGKILL every process group: nothing here needs a clean stop."""
         for proc in self.procs:
             proc.kill_group()
-
-
-def _name(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
