@@ -25,7 +25,7 @@ INT64_MAX = 2**63 - 1
 MAX_PRIORITY_LEVELS = 64
 _MAX_ISSUES = 5
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
-_THREADED = {"torchscript", "torch_export", "onnx"}
+THREADED_BACKENDS = {"torchscript", "torch_export", "onnx"}
 """Backends that read ``cpu_threads`` and ``parameters.threads``."""
 
 
@@ -283,13 +283,13 @@ def _thread_checks(schema: ConfigSchema, backend: str) -> list[str]:
     """``cpu_threads`` and its older spelling ``parameters.threads`` (intra-op threads only)."""
     problems: list[str] = []
     cpu = schema.cpu_threads
-    if cpu is not None and backend not in _THREADED:
-        problems.append(f"cpu_threads applies to the {', '.join(sorted(_THREADED))} backends, "
+    if cpu is not None and backend not in THREADED_BACKENDS:
+        problems.append(f"cpu_threads applies to the {', '.join(sorted(THREADED_BACKENDS))} backends, "
                         f"not {backend} (a python model reads its own parameters)")
     elif cpu is not None and cpu.spin and backend != "onnx":
         problems.append("cpu_threads.spin: true applies to the onnx backend only (torch's "
                         "thread pool does not take it)")
-    if backend not in _THREADED or "threads" not in (schema.parameters or {}):
+    if backend not in THREADED_BACKENDS or "threads" not in (schema.parameters or {}):
         return problems
     threads = (schema.parameters or {})["threads"]
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -305,7 +305,7 @@ def intra_op_threads(schema: ConfigSchema, backend: str) -> int | None:
     of a backend that reads it), or None: derive them from the cores."""
     if schema.cpu_threads is not None and schema.cpu_threads.intra_op is not None:
         return schema.cpu_threads.intra_op
-    threads = (schema.parameters or {}).get("threads") if backend in _THREADED else None
+    threads = (schema.parameters or {}).get("threads") if backend in THREADED_BACKENDS else None
     return threads if isinstance(threads, int) else None
 
 

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     """API processes sharing the HTTP and gRPC ports (``python -m api.serve``, ``conveyor
     run``); 0: half the cores available to the process, at least one (the other half is
     for the inference processes and Redis on the same host)."""
+    reserved_cores: int = Field(default=1, ge=0, le=4096)
+    """Cores an inference worker leaves to the processes beside its models (on one host: the
+    API, Redis, the worker's own Celery process) when it derives a CPU model's intra-op
+    threads (``cpu_threads.intra_op`` unset); 0 on a host that runs the model alone.
+    Measured on two cores shared with the API: the same capacity, and under bursts past it
+    two to four times the answers in time with a core left (docs/batching.md)."""
     batch_events_per_s: int = 100
     """Most Celery task events (three per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer tasks. 0 sends none."""

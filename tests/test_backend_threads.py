@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from batching.config import ConfigError, CpuThreads, ModelConfig
-from workers.backends import Threads, cpu_threads, load_model
+from batching.settings import Settings
+from tests.conftest import MakeStack
+from tests.procs import Proc, wait_for
+from workers.backends import Threads, cpu_threads, load_model, with_cpu_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +87,57 @@ def test_spin_off_is_accepted_for_torch() -> None:
 def test_unset_intra_op_divides_the_cores_among_the_cpu_instances(
         instances: list[dict[str, Any]], cores: int, intra_op: int) -> None:
     assert cpu_threads(_config(instances=instances), cores) == Threads(intra_op, 1, False)
+
+
+@pytest.mark.parametrize("instances,cores,reserved,intra_op", [
+    ([{"device": "cpu", "count": 1}], 2, 1, 1),         # two cores: one for the API and Redis
+    ([{"device": "cpu", "count": 1}], 8, 1, 7),
+    ([{"device": "cpu", "count": 2}], 8, 2, 3),
+    ([{"device": "cpu", "count": 1}], 2, 4, 1),         # never fewer than one
+    ([{"device": "cuda", "count": 1}], 6, 1, 5),
+])
+def test_reserved_cores_are_left_out_of_the_derived_threads(
+        instances: list[dict[str, Any]], cores: int, reserved: int, intra_op: int) -> None:
+    assert cpu_threads(_config(instances=instances), cores, reserved).intra_op == intra_op
+
+
+def test_configured_threads_ignore_the_reserve() -> None:
+    config = _config(cpu_threads={"intra_op": 2})
+    assert cpu_threads(config, 2, 1).intra_op == 2
+    assert with_cpu_threads(config, 1) is config
+
+
+def test_the_worker_fixes_unset_threads_with_its_reserve() -> None:
+    cores = len(os.sched_getaffinity(0))
+    config = with_cpu_threads(_config(cpu_threads={"inter_op": 2, "spin": True}), 1)
+    assert config.cpu_threads == CpuThreads(intra_op=max(1, cores - 1), inter_op=2, spin=True)
+    python = _config("python")
+    assert with_cpu_threads(python, 1) is python  # no thread pools to size
+
+
+def test_one_core_is_reserved_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_RESERVED_CORES", raising=False)
+    assert Settings().reserved_cores == 1
+    monkeypatch.setenv("CONVEYOR_RESERVED_CORES", "0")
+    assert Settings().reserved_cores == 0
+
+
+def test_an_inference_worker_leaves_its_reserve_to_the_host(
+        tmp_path: Path, make_stack: MakeStack) -> None:
+    """Real workers serving an ONNX model with no config: by default one core is left to the
+    processes beside the model, none with ``CONVEYOR_RESERVED_CORES=0``."""
+    (tmp_path / "m").mkdir()
+    _onnx_identity(tmp_path / "m" / "model.onnx")
+    cores = len(os.sched_getaffinity(0))
+    default, alone = make_stack(tmp_path), make_stack(tmp_path, CONVEYOR_RESERVED_CORES="0")
+    workers = [(default.add_worker(), max(1, cores - 1)), (alone.add_worker(), cores)]
+    for worker, threads in workers:
+        line = f"m: onnxruntime runs {threads} intra-op"
+        wait_for(partial(_logged, worker, line), 60, f"{line!r} in {worker.name}'s log")
+
+
+def _logged(worker: Proc, line: str) -> bool:
+    return line in worker.log()
 
 
 def test_configured_threads_ignore_the_cores() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from batching.config import ModelConfig
+from batching.config_schema import THREADED_BACKENDS
 from batching.errors import ModelFailure
 from workers.triton_python import TritonPythonAdapter, utils_module
 
@@ -221,17 +222,29 @@ class Threads:
     spin: bool
 
 
-def cpu_threads(config: ModelConfig, cores: int | None = None) -> Threads:
+def cpu_threads(config: ModelConfig, cores: int | None = None, reserved: int = 0) -> Threads:
     """``config.cpu_threads``, its intra-op threads, when unset, the ``cores`` available to
-    this process (its CPU affinity) divided among the model's CPU instances, which this
-    worker starts side by side, and at least 1: one instance alone gets every core."""
+    this process (its CPU affinity) less the ``reserved`` ones (``CONVEYOR_RESERVED_CORES``)
+    divided among the model's CPU instances, which this worker starts side by side, and at
+    least 1: one instance alone gets every core not reserved."""
     configured = config.cpu_threads
     intra_op = configured.intra_op
     if intra_op is None:
         available = len(os.sched_getaffinity(0)) if cores is None else cores
         instances = sum(group.count for group in config.instances if group.device == "cpu")
-        intra_op = max(1, available // max(1, instances))
+        intra_op = max(1, (available - reserved) // max(1, instances))
     return Threads(intra_op, configured.inter_op, configured.spin)
+
+
+def with_cpu_threads(config: ModelConfig, reserved: int) -> ModelConfig:
+    """``config`` with unset intra-op threads derived now, ``reserved`` cores left to the
+    processes beside the model (see :func:`cpu_threads`); a backend without thread pools
+    (python) is left as it is."""
+    if config.backend not in THREADED_BACKENDS or config.cpu_threads.intra_op is not None:
+        return config
+    intra_op = cpu_threads(config, reserved=reserved).intra_op
+    return dataclasses.replace(config,
+                               cpu_threads=dataclasses.replace(config.cpu_threads, intra_op=intra_op))
 
 
 def _torch_threads(config: ModelConfig) -> None:

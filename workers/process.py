@@ -28,7 +28,7 @@ from batching.repository_scan import (
     load_model_config,
 )
 from batching.settings import Settings
-from workers.backends import load_model
+from workers.backends import load_model, with_cpu_threads
 from workers.batch_run import DeviceLost
 from workers.events import make_batch_events
 from workers.heartbeat import Heartbeat
@@ -88,6 +88,7 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
                            settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name),
                            withdrawn_key=keys.withdrawn(model_name))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
+    config = with_cpu_threads(config, settings.reserved_cores)
     versions = {v: load_model(config, artifact_folder(folder, config, v), device)
                 for v in config.served_versions}
     loop = InferenceLoop(config, versions[config.served_versions[-1]], streams, reclaimer,
