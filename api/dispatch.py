@@ -144,15 +144,15 @@ class Dispatcher:
             raise Unavailable("Redis is unreachable")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Reply] = loop.create_future()
-        lone = not self._waiting and self._busy_poll_s > 0
-        if lone:  # tells the worker that the load is light: it may poll for the next one
-            request.params["lone"] = 1
+        lone = not self._waiting
+        if lone:  # tells the worker that the load is light: it may run the request on every
+            request.params["lone"] = 1  # core and poll for the next one
         self._waiting[request.id] = fut
         if not self._outbox:
             loop.call_soon(self._flush)
         lead = self._exec_s.get(admission.rows_key, 0.0) * POLL_LEAD
         self._poll_until = time.perf_counter() + lead + self._busy_poll_s
-        if lone:
+        if lone and self._busy_poll_s > 0:
             if self._poll_start is not None:  # an earlier lone request's, not yet begun
                 self._poll_start.cancel()
             self._poll_start = loop.call_later(lead, self._begin_poll)

@@ -176,9 +176,9 @@ def sync_redis(url: str, **kwargs: Any) -> redis.Redis:
     if topology.kind == "single":
         return redis.Redis.from_url(url, **kwargs)
     if topology.kind == "sentinel":
-        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             list(topology.hosts), sentinel_kwargs=_sentinel_kwargs(topology, kwargs))
-        return cast(redis.Redis, sentinel.master_for(  # type: ignore[no-untyped-call]
+        return cast(redis.Redis, sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
             topology.service, db=topology.node.db, **_node_kwargs(topology.node), **kwargs))
     kwargs.pop("health_check_interval", None)
     nodes = [redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]
@@ -193,7 +193,7 @@ def async_redis(url: str, **kwargs: Any) -> aioredis.Redis:
     if topology.kind == "single":
         return aioredis.Redis.from_url(url, **kwargs)
     if topology.kind == "sentinel":
-        sentinel = aiosentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = aiosentinel.Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             list(topology.hosts), sentinel_kwargs=_sentinel_kwargs(topology, kwargs))
         return cast(aioredis.Redis, sentinel.master_for(
             topology.service, db=topology.node.db, **_node_kwargs(topology.node), **kwargs))

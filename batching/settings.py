@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     threads (``cpu_threads.intra_op`` unset); 0 on a host that runs the model alone.
     Measured on two cores shared with the API: the same capacity, and under bursts past it
     two to four times the answers in time with a core left (docs/batching.md)."""
+    lone_all_cores: bool = True
+    """A lone request (the only one its API process has in flight) runs on every core the
+    inference process may use, reserved ones included: at that load the API waits idle for
+    it. For an onnx model this is a second onnxruntime session, with its own copy of the
+    weights; false runs every batch with the reserved cores left out."""
     batch_events_per_s: int = 100
     """Most Celery task events (three per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer tasks. 0 sends none."""

@@ -22,7 +22,16 @@ from batching.config import ConfigError, CpuThreads, ModelConfig
 from batching.settings import Settings
 from tests.conftest import MakeStack
 from tests.procs import Proc, wait_for
-from workers.backends import Threads, cpu_threads, load_model, with_cpu_threads
+from workers import backends
+from workers.backends import (
+    EveryCore,
+    Threads,
+    cpu_threads,
+    load_model,
+    load_served,
+    lone_threads,
+    with_cpu_threads,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,6 +147,92 @@ def test_an_inference_worker_leaves_its_reserve_to_the_host(
 
 def _logged(worker: Proc, line: str) -> bool:
     return line in worker.log()
+
+
+@pytest.mark.parametrize("raw,device,cores,reserved,lone", [
+    ({}, "cpu", 2, 1, 2),                                   # the reserved core, for lone batches
+    ({}, "cpu", 8, 2, 8),
+    ({"instances": [{"device": "cpu", "count": 2}]}, "cpu", 8, 2, 4),
+    ({}, "cpu", 2, 0, None),                                # nothing reserved
+    ({}, "cpu", 1, 1, None),                                # one core: one thread either way
+    ({"instances": [{"device": "cpu", "count": 4}]}, "cpu", 4, 1, None),
+    ({"cpu_threads": {"intra_op": 1}}, "cpu", 8, 1, None),  # set in config.yaml
+    ({}, "cuda:0", 8, 1, None),
+])
+def test_lone_batches_get_the_threads_of_no_reserve(
+        raw: dict[str, Any], device: str, cores: int, reserved: int, lone: int | None) -> None:
+    config = lone_threads(_config(**raw), reserved, device, cores)
+    assert (None if config is None else config.cpu_threads.intra_op) == lone
+
+
+def test_a_python_model_has_no_lone_threads() -> None:
+    assert lone_threads(_config("python"), 1, "cpu", 8) is None
+
+
+def test_lone_batches_on_every_core_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONVEYOR_LONE_ALL_CORES", raising=False)
+    assert Settings().lone_all_cores
+    monkeypatch.setenv("CONVEYOR_LONE_ALL_CORES", "false")
+    assert not Settings().lone_all_cores
+
+
+def test_an_onnx_model_runs_lone_batches_in_a_session_on_every_core(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _onnx_identity(tmp_path / "model.onnx")
+    sessions: list[ort.InferenceSession] = []
+    real = ort.InferenceSession
+
+    def capture(*args: Any, **kwargs: Any) -> ort.InferenceSession:
+        sessions.append(real(*args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(ort, "InferenceSession", capture)
+    reserved = with_cpu_threads(_config(), 1)
+    lone = lone_threads(_config(), 1, "cpu", 3)
+    model = load_served(with_cpu_threads(_config(cpu_threads={"intra_op": 2}), 0), tmp_path,
+                        "cpu", lone)
+    assert isinstance(model, EveryCore)
+    assert [s.get_session_options().intra_op_num_threads for s in sessions] == [2, 3]
+    x = np.ones((2, 3), dtype=np.float32)
+    np.testing.assert_array_equal(model.predict({"X": x})["Y"], x)
+    np.testing.assert_array_equal(model.predict_lone({"X": x})["Y"], x)
+    assert not isinstance(load_served(reserved, tmp_path, "cpu", None), EveryCore)
+    monkeypatch.setattr(backends, "LONE_SESSION_MAX_BYTES",  # a model just over the limit
+                        (tmp_path / "model.onnx").stat().st_size - 1)
+    assert not isinstance(load_served(reserved, tmp_path, "cpu", lone), EveryCore)
+
+
+TORCH_LONE_CHILD = """
+    import json, sys
+    from pathlib import Path
+    import numpy as np
+    import torch
+    from batching.config import ModelConfig
+    from workers import backends
+
+    class Threads:  # the loaded model: reports the intra-op threads it ran with
+        def predict(self, inputs):
+            return {"threads": np.full((1, 1), torch.get_num_threads())}
+
+    backends.load_model = lambda config, folder, device: Threads()
+    config = ModelConfig.from_dict("m", {}, "torchscript")
+    torch.set_num_threads(1)
+    reserved = ModelConfig.from_dict("m", {"cpu_threads": {"intra_op": 1}}, "torchscript")
+    model = backends.load_served(reserved, Path("."), "cpu",
+                                 backends.lone_threads(config, 2, "cpu", 3))
+    x = {"INPUT0": np.zeros((1, 1), np.float32)}
+    seen = [model.predict_lone(x)["threads"].item(), torch.get_num_threads(),
+            model.predict(x)["threads"].item()]
+    print(json.dumps(seen))
+"""
+
+
+def test_a_torch_model_runs_lone_batches_on_every_core_and_gives_them_back() -> None:
+    """Three cores, two of them reserved: a lone batch runs on three threads, and the pool
+    is back to one after it."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(TORCH_LONE_CHILD)], cwd=ROOT,
+                         check=True, capture_output=True, text=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [3, 1, 1]
 
 
 def test_configured_threads_ignore_the_cores() -> None:

@@ -23,6 +23,7 @@ from batching.envelope import VERSION, Reply, Tensor
 from batching.errors import ConveyorError, ModelFailure, Unavailable
 from batching.former import Batch, Entry, Layout
 from workers.backends import (
+    EveryCore,
     LoadedModel,
     error_summary,
     is_fatal_device_error,
@@ -81,7 +82,7 @@ class BatchRunner:
             inputs = batch.stacked_inputs()
             stacked = time.perf_counter_ns()
             phases[0] += stacked - begun
-            outputs = self.predict(inputs, rows, self._model_for(entries[0]))
+            outputs = self.predict(inputs, rows, self._model_for(entries[0]), batch.lone)
             phases[1] += time.perf_counter_ns() - stacked
         except ConveyorError as exc:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
@@ -150,9 +151,15 @@ class BatchRunner:
                               "by this process (the model is being reloaded)")
         return model
 
-    def predict(self, inputs: Arrays, rows: int, model: LoadedModel) -> Arrays:
+    def predict(self, inputs: Arrays, rows: int, model: LoadedModel,
+                lone: bool = False) -> Arrays:
+        """``lone``: a :attr:`Batch.lone` batch, which a model with cores reserved runs on
+        every core (:class:`EveryCore`)."""
         try:
-            outputs = model.predict(inputs)
+            if lone and isinstance(model, EveryCore):
+                outputs = model.predict_lone(inputs)
+            else:
+                outputs = model.predict(inputs)
         except ConveyorError:
             raise
         except Exception as exc:  # the model's own failure: answered, never fatal here

@@ -28,7 +28,7 @@ from batching.repository_scan import (
     load_model_config,
 )
 from batching.settings import Settings
-from workers.backends import load_model, with_cpu_threads
+from workers.backends import load_served, lone_threads, with_cpu_threads
 from workers.batch_run import DeviceLost
 from workers.events import make_batch_events
 from workers.heartbeat import Heartbeat
@@ -88,8 +88,10 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
                            settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name),
                            withdrawn_key=keys.withdrawn(model_name))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
+    lone = (lone_threads(config, settings.reserved_cores, device)
+            if settings.lone_all_cores else None)
     config = with_cpu_threads(config, settings.reserved_cores)
-    versions = {v: load_model(config, artifact_folder(folder, config, v), device)
+    versions = {v: load_served(config, artifact_folder(folder, config, v), device, lone)
                 for v in config.served_versions}
     loop = InferenceLoop(config, versions[config.served_versions[-1]], streams, reclaimer,
                          shared, keys, pipelined=pipelined(device), versions=versions)
