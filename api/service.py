@@ -124,11 +124,11 @@ class InferenceService:
                                           config.queue.default_priority, "the model's default")
             if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
                 regions = await self._bind(parsed, model)
-            now_ms = int(time.time() * 1000)
+            now_ms = time.time() * 1000.0  # to the µs: queue times are a fraction of a ms
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,
-                deadline_ms=now_ms + int(timeout_ms),
+                deadline_ms=int(now_ms + timeout_ms),
                 enq_ms=now_ms,
                 prio=priority,
                 inputs=parsed.inputs,

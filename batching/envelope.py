@@ -63,7 +63,9 @@ class Request:
     id: str
     reply: str
     deadline_ms: int
-    enq_ms: int
+    enq_ms: float
+    """When the API admitted it: ms since the epoch, to the µs (the reply's ``queue_ms``
+    counts from it; whole ms would add half a ms to every queue time)."""
     prio: int
     inputs: list[Tensor]
     outputs: list[str] = field(default_factory=list)

@@ -160,7 +160,7 @@ def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
     return padded
 
 
-def _order(entry: Entry) -> tuple[int, int]:
+def _order(entry: Entry) -> tuple[int, float]:
     """Aged entries first, oldest first; then by priority level, and within a level by
     deadline (earliest first). Python's sort is stable: ties keep the order entries were
     read in, so requests with the same timeout go in arrival order."""

@@ -5,13 +5,17 @@ body limits as the settings set them. What needs real workers is in tests/test_i
 from __future__ import annotations
 
 import sys
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api import service as service_module
 from api.main import create_app
+from batching.envelope import Request
 from batching.settings import Settings
 from tests.unit.conftest import serve, unit_settings
 from tests.unit.memory_dispatch import MemoryDispatcher
@@ -109,6 +113,21 @@ def test_a_request_reaches_the_dispatcher_and_its_reply_is_rendered(
     [(admission, request)] = dispatcher.submitted
     assert (admission.stream, admission.rows, admission.max_rows) == ("unit:{echo}:q:2", 2, 10000)
     assert request.reply == dispatcher.reply_key
+
+
+def test_the_enqueue_time_keeps_its_microseconds(
+        client: TestClient, dispatcher: MemoryDispatcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's queue_ms counts from it: truncated to the ms, every queue time in
+    conveyor_queue_duration_seconds read half a ms long on average."""
+    clock = SimpleNamespace(time=lambda: 1_700_000_000.0009, perf_counter=time.perf_counter)
+    monkeypatch.setattr(service_module, "time", clock)
+    assert client.post("/v2/models/echo/infer",
+                       json=body(np.ones((1, 4), np.float32))).status_code == 200
+    [(_, request)] = dispatcher.submitted
+    assert request.enq_ms == pytest.approx(1_700_000_000_000.9, abs=1e-3)
+    back = Request.decode(request.encode())
+    assert back.enq_ms == request.enq_ms
+    assert back.deadline_ms == 1_700_000_000_000 + 30_000  # the default timeout, 30 s
 
 
 def test_only_the_requested_outputs_are_rendered(client: TestClient,
