@@ -22,16 +22,10 @@ from batching.config import ConfigError, CpuThreads, ModelConfig
 from batching.settings import Settings
 from tests.conftest import MakeStack
 from tests.procs import Proc, wait_for
-from workers import backends
-from workers.backends import (
-    EveryCore,
-    Threads,
-    cpu_threads,
-    load_model,
-    load_served,
-    lone_threads,
-    with_cpu_threads,
-)
+from workers import every_core
+from workers.backends import load_model
+from workers.cpu_threads import Threads, cpu_threads, lone_threads, with_cpu_threads
+from workers.every_core import EveryCore, load_served
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,7 +191,7 @@ def test_an_onnx_model_runs_lone_batches_in_a_session_on_every_core(
     np.testing.assert_array_equal(model.predict({"X": x})["Y"], x)
     np.testing.assert_array_equal(model.predict_lone({"X": x})["Y"], x)
     assert not isinstance(load_served(reserved, tmp_path, "cpu", None), EveryCore)
-    monkeypatch.setattr(backends, "LONE_SESSION_MAX_BYTES",  # a model just over the limit
+    monkeypatch.setattr(every_core, "LONE_SESSION_MAX_BYTES",  # a model just over the limit
                         (tmp_path / "model.onnx").stat().st_size - 1)
     assert not isinstance(load_served(reserved, tmp_path, "cpu", lone), EveryCore)
 
@@ -208,18 +202,18 @@ TORCH_LONE_CHILD = """
     import numpy as np
     import torch
     from batching.config import ModelConfig
-    from workers import backends
+    from workers import cpu_threads, every_core
 
     class Threads:  # the loaded model: reports the intra-op threads it ran with
         def predict(self, inputs):
             return {"threads": np.full((1, 1), torch.get_num_threads())}
 
-    backends.load_model = lambda config, folder, device: Threads()
+    every_core.load_model = lambda config, folder, device: Threads()
     config = ModelConfig.from_dict("m", {}, "torchscript")
     torch.set_num_threads(1)
     reserved = ModelConfig.from_dict("m", {"cpu_threads": {"intra_op": 1}}, "torchscript")
-    model = backends.load_served(reserved, Path("."), "cpu",
-                                 backends.lone_threads(config, 2, "cpu", 3))
+    model = every_core.load_served(reserved, Path("."), "cpu",
+                                   cpu_threads.lone_threads(config, 2, "cpu", 3))
     x = {"INPUT0": np.zeros((1, 1), np.float32)}
     seen = [model.predict_lone(x)["threads"].item(), torch.get_num_threads(),
             model.predict(x)["threads"].item()]

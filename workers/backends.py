@@ -11,7 +11,6 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
-import os
 import re
 import sys
 import warnings
@@ -23,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from batching.config import ModelConfig
-from batching.config_schema import THREADED_BACKENDS
 from batching.errors import ModelFailure
+from workers.cpu_threads import cpu_threads
 from workers.triton_python import TritonPythonAdapter, utils_module
 
 log = logging.getLogger(__name__)
@@ -39,9 +38,6 @@ _PATH = re.compile(r"(?<![\w./\\])(?:[A-Za-z]:)?[\\/](?:[^\s\\/'\":]+[\\/])*([^\
 """An absolute file path (POSIX or Windows); group 1 is its last component, all that is
 kept of it."""
 SUMMARY_MAX = 300
-LONE_SESSION_MAX_BYTES = 512 << 20
-"""The largest onnx model (its folder's files) that gets a second session on every core
-for lone requests (:func:`load_served`): the session costs about 1.5 times the file."""
 
 
 class LoadedModel(Protocol):
@@ -200,80 +196,6 @@ class _OnnxModel:
         return _checked(self._config, dict(zip(self._names, results, strict=True)), inputs)
 
 
-class EveryCore:
-    """A CPU model whose intra-op threads leave ``CONVEYOR_RESERVED_CORES`` to the processes
-    beside it, with a way to run a lone batch on every core: a lone request is one its API
-    process had alone in flight, so the API waits idle for it and the reserved cores have
-    nothing to do (``CONVEYOR_LONE_ALL_CORES``, docs/data-path.md section 7)."""
-
-    def __init__(self, reserved: LoadedModel, every_core: LoadedModel) -> None:
-        self.reserved = reserved
-        self.every_core = every_core
-
-    def predict(self, inputs: Arrays) -> Arrays:
-        return self.reserved.predict(inputs)
-
-    def predict_lone(self, inputs: Arrays) -> Arrays:
-        return self.every_core.predict(inputs)
-
-
-class _TorchThreads:
-    """A loaded torch model run with ``threads`` intra-op threads for one call, then given
-    back the ``usual`` ones: torch's pool is resized in place, the weights are shared."""
-
-    def __init__(self, model: LoadedModel, threads: int, usual: int) -> None:
-        self._model = model
-        self._threads = threads
-        self._usual = usual
-
-    def predict(self, inputs: Arrays) -> Arrays:
-        import torch
-
-        torch.set_num_threads(self._threads)
-        try:
-            return self._model.predict(inputs)
-        finally:
-            torch.set_num_threads(self._usual)
-
-
-def load_served(config: ModelConfig, folder: Path, device: str,
-                lone: ModelConfig | None) -> LoadedModel:
-    """:func:`load_model`, and with ``lone`` (the same model with more intra-op threads, from
-    :func:`lone_threads`) an :class:`EveryCore` that runs lone batches with those: torch
-    resizes its pool around the call; onnxruntime, whose pool is fixed per session, gets a
-    second session (with its own copy of the weights as onnxruntime lays them out: about
-    1.5 times the file), unless the model's folder holds more than
-    :data:`LONE_SESSION_MAX_BYTES`."""
-    model = load_model(config, folder, device)
-    if lone is None:
-        return model
-    if config.backend == "onnx":
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        if size > LONE_SESSION_MAX_BYTES:
-            log.info("%s: no second session for lone requests: the model's folder holds "
-                     "%d MiB, over %d MiB", config.name, size >> 20, LONE_SESSION_MAX_BYTES >> 20)
-            return model
-        return EveryCore(model, load_model(lone, folder, device))
-    return EveryCore(model, _TorchThreads(model, cpu_threads(lone).intra_op,
-                                          cpu_threads(config).intra_op))
-
-
-def lone_threads(config: ModelConfig, reserved: int, device: str,
-                 cores: int | None = None) -> ModelConfig | None:
-    """``config`` with the intra-op threads a lone batch gets (:class:`EveryCore`): those
-    derived with no core reserved, when that is more than ``reserved`` leaves; None when
-    it is not (threads set in ``config.yaml``, no reserve, a single core, a GPU instance or
-    a backend without thread pools)."""
-    if (device != "cpu" or config.backend not in THREADED_BACKENDS
-            or config.cpu_threads.intra_op is not None):
-        return None
-    every = cpu_threads(config, cores, 0).intra_op
-    if every <= cpu_threads(config, cores, reserved).intra_op:
-        return None
-    return dataclasses.replace(config,
-                               cpu_threads=dataclasses.replace(config.cpu_threads, intra_op=every))
-
-
 class _PythonModel:
     """A ``model.py`` whose ``Model.predict`` maps input names to arrays."""
 
@@ -288,40 +210,6 @@ class _PythonModel:
                                f"{type(result).__name__}, expected a dict of arrays")
         outputs = {str(name): np.asarray(value) for name, value in result.items()}
         return _checked(self._config, outputs, inputs)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Threads:
-    """The thread pools one inference process gives its framework."""
-
-    intra_op: int
-    inter_op: int
-    spin: bool
-
-
-def cpu_threads(config: ModelConfig, cores: int | None = None, reserved: int = 0) -> Threads:
-    """``config.cpu_threads``, its intra-op threads, when unset, the ``cores`` available to
-    this process (its CPU affinity) less the ``reserved`` ones (``CONVEYOR_RESERVED_CORES``)
-    divided among the model's CPU instances, which this worker starts side by side, and at
-    least 1: one instance alone gets every core not reserved."""
-    configured = config.cpu_threads
-    intra_op = configured.intra_op
-    if intra_op is None:
-        available = len(os.sched_getaffinity(0)) if cores is None else cores
-        instances = sum(group.count for group in config.instances if group.device == "cpu")
-        intra_op = max(1, (available - reserved) // max(1, instances))
-    return Threads(intra_op, configured.inter_op, configured.spin)
-
-
-def with_cpu_threads(config: ModelConfig, reserved: int) -> ModelConfig:
-    """``config`` with unset intra-op threads derived now, ``reserved`` cores left to the
-    processes beside the model (see :func:`cpu_threads`); a backend without thread pools
-    (python) is left as it is."""
-    if config.backend not in THREADED_BACKENDS or config.cpu_threads.intra_op is not None:
-        return config
-    intra_op = cpu_threads(config, reserved=reserved).intra_op
-    return dataclasses.replace(config,
-                               cpu_threads=dataclasses.replace(config.cpu_threads, intra_op=intra_op))
 
 
 def _torch_threads(config: ModelConfig) -> None:

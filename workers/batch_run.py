@@ -23,12 +23,12 @@ from batching.envelope import VERSION, Reply, Tensor
 from batching.errors import ConveyorError, ModelFailure, Unavailable
 from batching.former import Batch, Entry, Layout
 from workers.backends import (
-    EveryCore,
     LoadedModel,
     error_summary,
     is_fatal_device_error,
     is_out_of_memory,
 )
+from workers.every_core import EveryCore
 
 log = logging.getLogger("conveyor.inference")
 

@@ -28,9 +28,10 @@ from batching.repository_scan import (
     load_model_config,
 )
 from batching.settings import Settings
-from workers.backends import load_served, lone_threads, with_cpu_threads
 from workers.batch_run import DeviceLost
+from workers.cpu_threads import lone_threads, with_cpu_threads
 from workers.events import make_batch_events
+from workers.every_core import load_served
 from workers.heartbeat import Heartbeat
 from workers.inference import BLOCK_MS, FATAL_EXIT_CODE, InferenceLoop
 from workers.recovery import Reclaimer

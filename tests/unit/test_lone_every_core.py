@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.unit.test_inference_loop import Arrays, make_loop, replies, request
-from workers.backends import EveryCore
+from workers.every_core import EveryCore
 from workers.inference import InferenceLoop
 from workers.memory_streams import MemoryStreams
 
