@@ -172,19 +172,10 @@ def test_lone_batches_on_every_core_unless_configured(monkeypatch: pytest.Monkey
 
 def test_an_onnx_model_runs_lone_batches_in_a_session_on_every_core(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _onnx_identity(tmp_path / "model.onnx")
-    sessions: list[ort.InferenceSession] = []
-    real = ort.InferenceSession
-
-    def capture(*args: Any, **kwargs: Any) -> ort.InferenceSession:
-        sessions.append(real(*args, **kwargs))
-        return sessions[-1]
-
-    monkeypatch.setattr(ort, "InferenceSession", capture)
-    reserved = with_cpu_threads(_config(), 1)
+    sessions = _sessions(tmp_path, monkeypatch)
+    reserved = _config(cpu_threads={"intra_op": 2})
     lone = lone_threads(_config(), 1, "cpu", 3)
-    model = load_served(with_cpu_threads(_config(cpu_threads={"intra_op": 2}), 0), tmp_path,
-                        "cpu", lone)
+    model = load_served(reserved, tmp_path, "cpu", lone)
     assert isinstance(model, EveryCore)
     assert [s.get_session_options().intra_op_num_threads for s in sessions] == [2, 3]
     x = np.ones((2, 3), dtype=np.float32)
@@ -249,9 +240,9 @@ def _onnx_identity(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def _onnx_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                  config: ModelConfig) -> ort.SessionOptions:
-    """The options of the session ``load_model`` builds (and that session still predicts)."""
+def _sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[ort.InferenceSession]:
+    """An identity model in ``tmp_path``, and the list of every onnxruntime session made
+    from now on."""
     _onnx_identity(tmp_path / "model.onnx")
     sessions: list[ort.InferenceSession] = []
     real = ort.InferenceSession
@@ -261,6 +252,13 @@ def _onnx_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         return sessions[-1]
 
     monkeypatch.setattr(ort, "InferenceSession", capture)
+    return sessions
+
+
+def _onnx_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                  config: ModelConfig) -> ort.SessionOptions:
+    """The options of the session ``load_model`` builds (and that session still predicts)."""
+    sessions = _sessions(tmp_path, monkeypatch)
     model = load_model(config, tmp_path, "cpu")
     x = np.ones((2, 3), dtype=np.float32)
     np.testing.assert_array_equal(model.predict({"X": x})["Y"], x)

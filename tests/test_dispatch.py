@@ -331,12 +331,15 @@ def test_a_fast_models_lone_request_is_polled_for_even_after_a_slow_ones(
     run(server, body, busy_poll_s=1.0)
 
 
-def test_without_busy_polling_nothing_is_marked(server: RedisServer) -> None:
+def test_without_busy_polling_a_lone_request_is_marked_and_not_polled_for(
+        server: RedisServer) -> None:
+    """The mark also gives the request every core in the worker (CONVEYOR_LONE_ALL_CORES),
+    which does not depend on polling."""
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.005)
         assert not dispatcher._polling
-        assert "lone" not in (await serve_one(client)).params
+        assert (await serve_one(client)).params.get("lone") == 1
         await waiting
     run(server, body)
 
