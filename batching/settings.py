@@ -44,9 +44,10 @@ class Settings(BaseSettings):
     two to four times the answers in time with a core left (docs/batching.md)."""
     lone_all_cores: bool = True
     """A lone request (the only one its API process has in flight) runs on every core the
-    inference process may use, reserved ones included: at that load the API waits idle for
-    it. For an onnx model this is a second onnxruntime session, with its own copy of the
-    weights; false runs every batch with the reserved cores left out."""
+    inference process may use, reserved ones included, when that measured faster: at that
+    load the API waits idle for it. For an onnx model this is a second onnxruntime session,
+    with its own copy of the weights; false runs every batch with the reserved cores left
+    out."""
     batch_events_per_s: int = 100
     """Most Celery task events (three per executed batch, for Flower) an inference process
     sends a second; more batches are merged into fewer tasks. 0 sends none."""

@@ -180,7 +180,7 @@ def test_an_onnx_model_runs_lone_batches_in_a_session_on_every_core(
     assert [s.get_session_options().intra_op_num_threads for s in sessions] == [2, 3]
     x = np.ones((2, 3), dtype=np.float32)
     np.testing.assert_array_equal(model.predict({"X": x})["Y"], x)
-    np.testing.assert_array_equal(model.predict_lone({"X": x})["Y"], x)
+    np.testing.assert_array_equal(model.predict_lone({"X": x}, 2)["Y"], x)  # the first: every core
     assert not isinstance(load_served(reserved, tmp_path, "cpu", None), EveryCore)
     monkeypatch.setattr(every_core, "LONE_SESSION_MAX_BYTES",  # a model just over the limit
                         (tmp_path / "model.onnx").stat().st_size - 1)
@@ -206,7 +206,7 @@ TORCH_LONE_CHILD = """
     model = every_core.load_served(reserved, Path("."), "cpu",
                                    cpu_threads.lone_threads(config, 2, "cpu", 3))
     x = {"INPUT0": np.zeros((1, 1), np.float32)}
-    seen = [model.predict_lone(x)["threads"].item(), torch.get_num_threads(),
+    seen = [model.predict_lone(x, 1)["threads"].item(), torch.get_num_threads(),
             model.predict(x)["threads"].item()]
     print(json.dumps(seen))
 """

@@ -157,7 +157,7 @@ class BatchRunner:
         every core (:class:`EveryCore`)."""
         try:
             if lone and isinstance(model, EveryCore):
-                outputs = model.predict_lone(inputs)
+                outputs = model.predict_lone(inputs, rows)
             else:
                 outputs = model.predict(inputs)
         except ConveyorError:
