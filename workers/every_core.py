@@ -19,8 +19,6 @@ log = logging.getLogger(__name__)
 LONE_SESSION_MAX_BYTES = 512 << 20
 """The largest onnx model (its folder's files) that gets a second session on every core
 for lone requests (:func:`load_served`): the session costs about 1.5 times the file."""
-
-
 PROBE_EVERY = 32
 """Once both ways of running a lone batch are measured, every this many lone batches run
 the way not chosen, so that a change (a host grown busier, a model warmed up) is seen."""
@@ -121,7 +119,7 @@ class _TorchThreads:
 def load_served(config: ModelConfig, folder: Path, device: str,
                 lone: ModelConfig | None) -> LoadedModel:
     """:func:`load_model`, and with ``lone`` (the same model with more intra-op threads, from
-    :func:`lone_threads`) an :class:`EveryCore` that runs lone batches with those: torch
+    :func:`workers.cpu_threads.lone_threads`) an :class:`EveryCore` that runs lone batches with those: torch
     resizes its pool around the call; onnxruntime, whose pool is fixed per session, gets a
     second session (with its own copy of the weights as onnxruntime lays them out: about
     1.5 times the file), unless the model's folder holds more than
@@ -136,5 +134,5 @@ def load_served(config: ModelConfig, folder: Path, device: str,
                      "%d MiB, over %d MiB", config.name, size >> 20, LONE_SESSION_MAX_BYTES >> 20)
             return model
         return EveryCore(config.name, model, load_model(lone, folder, device))
-    return EveryCore(config.name, model, _TorchThreads(model, cpu_threads(lone).intra_op,
-                                          cpu_threads(config).intra_op))
+    threads = _TorchThreads(model, cpu_threads(lone).intra_op, cpu_threads(config).intra_op)
+    return EveryCore(config.name, model, threads)
