@@ -41,9 +41,7 @@ def with_cpu_threads(config: ModelConfig, reserved: int) -> ModelConfig:
     (python) is left as it is."""
     if config.backend not in THREADED_BACKENDS or config.cpu_threads.intra_op is not None:
         return config
-    intra_op = cpu_threads(config, reserved=reserved).intra_op
-    return dataclasses.replace(config,
-                               cpu_threads=dataclasses.replace(config.cpu_threads, intra_op=intra_op))
+    return _with_intra_op(config, cpu_threads(config, reserved=reserved).intra_op)
 
 
 def lone_threads(config: ModelConfig, reserved: int, device: str,
@@ -58,5 +56,9 @@ def lone_threads(config: ModelConfig, reserved: int, device: str,
     every = cpu_threads(config, cores, 0).intra_op
     if every <= cpu_threads(config, cores, reserved).intra_op:
         return None
+    return _with_intra_op(config, every)
+
+
+def _with_intra_op(config: ModelConfig, intra_op: int) -> ModelConfig:
     return dataclasses.replace(config,
-                               cpu_threads=dataclasses.replace(config.cpu_threads, intra_op=every))
+                               cpu_threads=dataclasses.replace(config.cpu_threads, intra_op=intra_op))

@@ -84,10 +84,10 @@ class EveryCore:
             return
         if self._chosen is None:
             chosen = 1 if every < reserved else 0
-        elif self._chosen == 1:
-            chosen = 0 if reserved < every * SWITCH_MARGIN else 1
-        else:
-            chosen = 1 if every < reserved * SWITCH_MARGIN else 0
+        else:  # the other way, only if it is faster by the margin
+            times, other = (reserved, every), 1 - self._chosen
+            switch = times[other] < times[self._chosen] * SWITCH_MARGIN
+            chosen = other if switch else self._chosen
         if chosen != self._chosen:
             # The first choice is news to an operator; later turns back and forth are not.
             level = logging.INFO if self._chosen is None else logging.DEBUG
