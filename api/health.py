@@ -41,6 +41,9 @@ class ModelWorkers:
     """Why the newest of them failed, as its supervisor reported it."""
     configs: set[str] = field(default_factory=set)
     """The configuration digests the ready processes run (batching.repository_scan)."""
+    shm: set[str | None] = field(default_factory=set)
+    """The shared-memory tokens (batching/tensor_arena.py) of the processes that will
+    serve; None for one that gave none."""
 
 
 class WorkerWatch:
@@ -80,6 +83,10 @@ class WorkerWatch:
             return True
         return time.monotonic() - self._served_at.get(model, -SERVED_WITHIN_S) < SERVED_WITHIN_S
 
+    def shares_memory(self, model: str, token: str) -> bool:
+        """Every process that will serve ``model`` sees the shared memory of ``token``."""
+        return self.view.get(model, ModelWorkers()).shm == {token}
+
     def failure(self, model: str) -> tuple[float, str] | None:
         """(when, why) a worker reported the model failed to load, while no process of it
         is ready; None otherwise."""
@@ -118,8 +125,9 @@ class WorkerWatch:
                 age = now - float(state.get("ts", 0))
                 if age > FORGET_AFTER_S:
                     stale.append((model, consumer))
-                if age <= SERVED_WITHIN_S:
-                    workers.alive += state.get("state") != "failed"
+                if age <= SERVED_WITHIN_S and state.get("state") != "failed":
+                    workers.alive += 1
+                    workers.shm.add(state.get("shm"))
                 if age <= self._stale_s:
                     workers.ready += state.get("state") == "ready"
                     if state.get("state") == "ready":

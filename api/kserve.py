@@ -327,7 +327,7 @@ def chosen_outputs(outputs: list[Tensor], wanted: list[str]) -> list[Tensor]:
 
 def render(model: str, request: InferRequest, outputs: list[Tensor]) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary tensors follow it."""
-    blobs: list[bytes] = []
+    blobs: list[bytes | memoryview] = []
     described: list[dict[str, Any]] = []
     for tensor in chosen_outputs(outputs, request.outputs):
         if tensor.name in request.shm_outputs:  # its data went into the region

@@ -26,6 +26,7 @@ from api.dispatch import Dispatcher
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
+from api.input_arena import InputArena
 from api.job_routes import jobs_router
 from api.metrics import ApiMetrics
 from api.periodic import Periodic
@@ -78,8 +79,11 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                        max_regions=settings.shm_max_regions,
                        max_bytes=settings.max_request_bytes,
                        interval_s=settings.heartbeat_interval_s)
+    arena = InputArena(settings.tensor_arena_mb << 20, settings.tensor_arena_min_bytes,
+                       watch.shares_memory)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
-                               BodyLimits.from_settings(settings), broken=scan.failed, shm=shm)
+                               BodyLimits.from_settings(settings), broken=scan.failed, shm=shm,
+                               arena=arena)
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
                             failed=scan.failed, control=settings.model_control == "explicit")
@@ -113,6 +117,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         await memory.close()
         await service.overload.close()
         await shm.close()
+        arena.close()
         await watch.close()
         await dispatcher.close()
 

@@ -12,6 +12,7 @@ from api.body import BodyLimits
 from api.dispatch import Admission
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
+from api.input_arena import InputArena
 from api.kserve import InferRequest, Vet
 from api.metrics import ApiMetrics
 from api.outside_path import OutsidePath
@@ -27,6 +28,7 @@ from batching.names import (
     unknown_model,
     unknown_version,
 )
+from batching.tensor_arena import Ref
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class InferenceService:
     """Refuses at once what this process can no longer answer in time (api/overload.py)."""
     outside: OutsidePath = field(default_factory=OutsidePath)
     """What its requests spend outside the inference process, which they carry to it."""
+    arena: InputArena | None = None
+    """Large inputs through shared memory, to inference processes of this host."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
@@ -97,6 +101,7 @@ class InferenceService:
             self._count(UNKNOWN_MODEL, exc.code, started)
             raise
         regions: Binding | None = None
+        placed: list[Ref] | None = None
         in_flight = self.metrics.of(model).in_flight
         in_flight.inc()
         unread = None if quiet_since is None else max(0.0, started - quiet_since)
@@ -135,6 +140,8 @@ class InferenceService:
                 outputs=parsed.outputs,
                 params=_params(parsed, config),
             )
+            if self.arena is not None:
+                placed = self.arena.place(model, request.inputs)
             reserve = self.outside.reserve_us(model)
             if reserve is not None:
                 request.params[PATH] = reserve
@@ -156,6 +163,8 @@ class InferenceService:
             in_flight.dec()
             if regions is not None:
                 regions.close()
+            if placed is not None and self.arena is not None:
+                self.arena.free(placed)
         took = self._count(model, "success", started)
         self.overload.answered(model, took)
         self.outside.observe(model, took, (reply.queue_ms + reply.exec_ms) / 1000.0)

@@ -150,7 +150,7 @@ class Region:
                                "it was registered with: its object shrank")
         return data
 
-    def write(self, ref: ShmRef, data: bytes) -> None:
+    def write(self, ref: ShmRef, data: bytes | memoryview) -> None:
         """``data`` (at most ``ref.byte_size`` bytes) at ``ref.offset``."""
         if not self.writable:
             raise InvalidInput(f"shared memory region '{self.name}' is read-only to the "

@@ -5,7 +5,9 @@ No code-executing serializer ever touches the wire.
 A request entry in a model stream has two fields: ``d``, the packed :class:`Request`, and
 ``r``, its rows (so that an entry that cannot be decoded still releases its rows).
 A reply is one packed :class:`Reply` pushed onto the API process's reply list.
-Tensors travel as raw little-endian bytes with their datatype and shape.
+Tensors travel as raw little-endian bytes with their datatype and shape, or, for a large
+input whose API process shares memory with the inference processes, as a reference to
+those bytes in the API process's arena (batching/tensor_arena.py).
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ class Tensor:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    raw: bytes
+    raw: bytes | memoryview
+    ref: list[Any] | None = None
+    """Where the bytes are instead of ``raw`` (empty then): ``[arena, offset, length,
+    sequence]`` in a shared-memory arena (batching/tensor_arena.py)."""
 
     @classmethod
     def from_array(cls, name: str, array: npt.NDArray[Any], datatype: str | None = None) -> Tensor:
@@ -51,11 +56,13 @@ class Tensor:
         return from_raw(self.raw, self.datatype, self.shape)
 
     def pack(self) -> list[Any]:
+        if self.ref is not None:
+            return [self.name, self.datatype, list(self.shape), b"", self.ref]
         return [self.name, self.datatype, list(self.shape), self.raw]
 
     @classmethod
     def unpack(cls, item: list[Any]) -> Tensor:
-        return cls(item[0], item[1], tuple(item[2]), item[3])
+        return cls(item[0], item[1], tuple(item[2]), item[3], item[4] if len(item) > 4 else None)
 
 
 @dataclass(slots=True)

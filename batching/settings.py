@@ -131,6 +131,13 @@ class Settings(BaseSettings):
     shm_max_regions: int = 64
     """Registered system shared memory regions, at most, for all the API processes of a
     host together."""
+    tensor_arena_mb: int = Field(default=64, ge=0, le=65536)
+    """Each API process's shared-memory arena for large inputs (MiB, in ``/dev/shm``,
+    reserved on first use): an input of ``tensor_arena_min_bytes`` or more travels
+    through it instead of through Redis while every inference process of its model shares
+    the API process's memory (same host, same ``/dev/shm``). 0: every input through Redis."""
+    tensor_arena_min_bytes: int = Field(default=32768, ge=1)
+    """The smallest input that goes through the tensor arena."""
     server_name: Annotated[str, Field(min_length=1)] = "conveyor"
     """The server's ``name`` in its metadata (``GET /v2``, gRPC ``ServerMetadata``)."""
     callback_hosts: str = ""

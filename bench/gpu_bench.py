@@ -16,10 +16,12 @@ Phases, each time-boxed, each failure recorded and the next phase run anyway:
          backend (load_model + predict: numpy in, copies both ways, numpy out), i.e. the
          inference process without the serving stack.
 3. e2e:  a model repository (resnet50: the traced wrapper, torchscript backend; oomtest:
-         a python model), redis-server, the API (uvicorn --workers N) and a Celery worker
-         (bench/gpu_stack.py); one request of each protocol compared with the raw model's
-         logits, then KServe v2 binary-tensor requests from several client processes at each
-         concurrency (and one JSON point).
+         a python model), redis-server, the API (python -m api.serve, N processes) and a
+         Celery worker (bench/gpu_stack.py); one request of each protocol compared with the
+         raw model's logits, then KServe v2 binary-tensor requests from wrk (or Python
+         client processes, --load python) at each concurrency (and one JSON point).
+   plain: the same binary load against the plain FastAPI wrapper (bench/gpu_plain.py),
+         one TorchScript call per request, on the same device.
 4. oom:  waves of concurrent requests to ``oomtest``, whose predict allocates on the device
          in proportion to its rows so that more than --oom-rows rows cannot fit: whether
          every request succeeded, the learned row caps (heartbeat ``row_cap``) and
@@ -90,6 +92,9 @@ class Bench:
     def e2e_phase(self) -> None:
         self.e2e.run(self.raw.reference)
 
+    def plain_phase(self) -> None:
+        self.e2e.plain(self.stack.repo / BENCH_MODEL / "model.pt")
+
     # ----- phase 4
     def oom_phase(self) -> None:
         args = self.args
@@ -120,6 +125,8 @@ class Bench:
             if wants_stack and self.phases.run("stack", args.ready_timeout + 20, self.start_stack):
                 if "e2e" not in args.skip:
                     self.phases.run("e2e", args.e2e_limit, self.e2e_phase, reserve_s=70)
+                if "plain" not in args.skip:
+                    self.phases.run("plain", args.plain_limit, self.plain_phase)
                 if "oom" not in args.skip:
                     self.phases.run("oom", args.oom_limit, self.oom_phase)
         except BaseException as exc:  # SIGTERM from the outer timeout, Ctrl-C
@@ -152,16 +159,23 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=330)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and durations (CPU dry run)")
     parser.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
-                        help="phases to skip: raw, e2e, oom")
-    parser.add_argument("--raw-batches", type=ints, default=[1, 8, 32, 64, 128])
+                        help="phases to skip: raw, e2e, plain, oom")
+    parser.add_argument("--raw-batches", type=ints, default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--raw-seconds", type=float, default=1.0)
     parser.add_argument("--latency-calls", type=int, default=200)
     parser.add_argument("--raw-limit", type=float, default=120)
-    parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--api-workers", type=int, default=4)
-    parser.add_argument("--clients", type=int, default=4, help="client processes")
-    parser.add_argument("--concurrency", type=ints, default=[1, 16, 64])
-    parser.add_argument("--duration", type=float, default=10)
+    parser.add_argument("--max-batch", type=int, default=128)
+    parser.add_argument("--api-workers", type=int, default=8)
+    parser.add_argument("--load", choices=("wrk", "python"), default="wrk",
+                        help="the load generator: wrk (C, closed loop) or Python client processes")
+    parser.add_argument("--wrk-threads", type=int, default=4)
+    parser.add_argument("--clients", type=int, default=4, help="client processes (--load python)")
+    parser.add_argument("--concurrency", type=ints, default=[64, 256, 512])
+    parser.add_argument("--plain-concurrency", type=ints, default=[64, 256])
+    parser.add_argument("--plain-limit", type=float, default=60)
+    parser.add_argument("--profile-s", type=float, default=0,
+                        help="py-spy the API and worker this long at the top concurrency (0: no)")
+    parser.add_argument("--duration", type=float, default=8)
     parser.add_argument("--warmup", type=float, default=2)
     parser.add_argument("--first-warmup", type=float, default=5,
                         help="seconds at the highest concurrency before the first point")
@@ -181,6 +195,7 @@ def main() -> None:
         args.raw_batches, args.raw_seconds, args.latency_calls = [1, 2], 0.2, 3
         args.max_batch, args.api_workers, args.clients = 8, 1, 2
         args.concurrency, args.duration, args.warmup, args.first_warmup = [1, 4], 2, 0.5, 1
+        args.plain_concurrency, args.wrk_threads = [4], 1
         args.json_concurrency, args.json_duration = 2, 1
         args.oom_rows, args.oom_concurrency, args.oom_waves = 4, 16, 2
     if args.report is None:

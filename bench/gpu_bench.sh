@@ -7,7 +7,8 @@
 #   mkdir -p .gpu/debs .gpu/debs-fallback .gpu/whl .gpu/src
 #   git archive HEAD | tar -x -C .gpu/src && git rev-parse HEAD >.gpu/src/COMMIT \
 #       && cp bench/gpu_*.py bench/gpu_bench.sh .gpu/src/bench/    # optional snapshot
-#   (cd .gpu/debs && apt-get download redis-server redis-tools libjemalloc2 liblzf1)
+#   (cd .gpu/debs && apt-get download redis-server redis-tools libjemalloc2 liblzf1 \
+#        wrk libluajit-5.1-2 libluajit-5.1-common)                # wrk: the load generator
 #   (cd .gpu/debs-fallback && apt-get download libatomic1 libssl3 libsystemd0 libcap2 \
 #        libgcrypt20 libgpg-error0 liblz4-1 liblzma5 libzstd1)   # used only if ldd misses them
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -37,7 +38,7 @@ if ls "$GPU"/whl/*.whl >/dev/null 2>&1; then
     rm -rf "$SITE"
     timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target "$SITE" "$GPU"/whl/*.whl || echo "!! WHEEL INSTALL FAILED"
-    export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"  # py-spy
 else
     echo "no wheels in $GPU/whl: using what $PY has"
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -75,6 +76,12 @@ if ls "$GPU"/debs/*.deb >/dev/null 2>&1; then
     fi
     export CONVEYOR_GPU_REDIS_SERVER="$RR/usr/bin/redis-server" CONVEYOR_GPU_REDIS_LD="$LD"
     LD_LIBRARY_PATH="$LD" "$CONVEYOR_GPU_REDIS_SERVER" --version || echo "!! REDIS-SERVER DOES NOT RUN"
+    if [ -x "$RR/usr/bin/wrk" ]; then  # wrk (and its libluajit) from the same folder of .debs
+        mkdir -p "$RR/bin"
+        printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec "%s" "$@"\n' "$LD" "$RR/usr/bin/wrk" >"$RR/bin/wrk"
+        chmod +x "$RR/bin/wrk" && export PATH="$RR/bin:$PATH"
+        wrk --version 2>&1 | head -1 || echo "!! WRK DOES NOT RUN"
+    fi
 else
     echo "no debs in $GPU/debs: using $(command -v redis-server || echo 'no redis-server')"
 fi

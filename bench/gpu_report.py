@@ -43,19 +43,44 @@ def markdown(rec: Recorder, args: argparse.Namespace) -> str:
                          f"{r['batch1']['p99_ms']:.2f} | " + " | ".join(cells) + " |")
         lines.append("")
     points = [r for r in rec.find("e2e") if "skipped" not in r]
+    ceiling: dict[str, int] = next((r["rows_per_s"] for r in raws if r["variant"] == "torchscript"), {})
     if points:
         lines += [f"### conveyor end to end: {BENCH_MODEL} (TorchScript) on "
-                  f"{args.device}, {args.api_workers} API processes, 1 inference process", "",
-                  "| protocol | c | req/s | p50 ms | p99 ms | errors | mean batch | "
-                  "mean batch per request | GPU util % | CPU s (api / worker / redis) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{args.device}, {args.api_workers} API processes, 1 inference process, "
+                  f"load from {points[0].get('client', '?')}", "",
+                  "The ceiling is the raw TorchScript model's rows/s (input on the device) at "
+                  "the batch size nearest the point's mean batch per request. µs per request: "
+                  "each process group's CPU time over the requests answered; compute: the "
+                  "model's own time per batch, over its requests.", "",
+                  "| protocol | c | req/s | of ceiling | p50 ms | p99 ms | errors | mean batch "
+                  "per request | GPU util % | µs/request: API / worker / Redis / client | "
+                  "compute µs/request |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             util = (p.get("gpu_util") or {}).get("util_mean_pct", "-")
-            cpu = p.get("cpu_s", {})
-            lines.append(f"| {p['protocol']} | {p['concurrency']} | {p['req_per_s']:,.0f} | "
-                         f"{p['p50_ms']} | {p['p99_ms']} | {p['errors']} | {p['mean_batch']} | "
+            us = p.get("us_per_request") or {}
+            ceil = _nearest(ceiling, p.get("mean_batch_per_request"))
+            share = f"{p['req_per_s'] / ceil:.0%} of {ceil:,}" if ceil else "-"
+            lines.append(f"| {p['protocol']} | {p['concurrency']} | {p['req_per_s']:,.0f} | {share} | "
+                         f"{p['p50_ms']} | {p['p99_ms']} | {p['errors']} | "
                          f"{p['mean_batch_per_request']} | {util} | "
-                         f"{cpu.get('api', '-')} / {cpu.get('worker', '-')} / {cpu.get('redis', '-')} |")
+                         + " / ".join(str(us.get(k, "-")) for k in ("api", "worker", "redis", "client"))
+                         + f" | {p.get('compute_us_per_request', '-')} |")
+        lines.append("")
+    plain = [r for r in rec.find("plain") if "skipped" not in r]
+    if plain:
+        best = {p["concurrency"]: p["req_per_s"] for p in points if p["protocol"] == "binary"}
+        lines += ["### The plain FastAPI wrapper (bench/gpu_plain.py) on the same device", "",
+                  "| c | req/s | p50 ms | p99 ms | errors | GPU util % | CPU s (wrapper / client) "
+                  "| conveyor at this c |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in plain:
+            util = (r.get("gpu_util") or {}).get("util_mean_pct", "-")
+            conv = best.get(r["concurrency"])
+            ratio = f"{conv / r['req_per_s']:.1f}×" if conv and r["req_per_s"] else "-"
+            lines.append(f"| {r['concurrency']} | {r['req_per_s']:,.0f} | {r['p50_ms']} | "
+                         f"{r['p99_ms']} | {r['errors']} | {util} | {r['cpu_s']['plain']} / "
+                         f"{r['cpu_s']['client']} | {ratio} |")
         lines.append("")
     for r in rec.find("oom_result"):
         lines += ["### OOM on the device", "",
@@ -66,3 +91,11 @@ def markdown(rec: Recorder, args: argparse.Namespace) -> str:
     lines += ["Phases: " + ", ".join(f"{k}: {v}" for k, v in rec.find("summary")[-1]["phases"].items())
               if rec.find("summary") else "", ""]
     return "\n".join(lines)
+
+
+def _nearest(rows_per_s: dict[str, int], batch: float | None) -> int | None:
+    """The raw rows/s measured at the batch size nearest ``batch``."""
+    if not rows_per_s or not batch:
+        return None
+    size = min(rows_per_s, key=lambda b: abs(int(b) - batch))
+    return rows_per_s[size]

@@ -1,7 +1,7 @@
 """conveyor serving a GPU model repository, and the checks run against it, shared by the
 GPU benchmark (bench/gpu_bench.py) and the GPU tests (tests/gpu/).
 
-``GpuStack`` is a redis-server, the API (``uvicorn --factory``, N processes) and one Celery
+``GpuStack`` is a redis-server, the API (``python -m api.serve``, N processes) and one Celery
 inference worker, started with ``conveyor.harness``; it reads the workers' heartbeats and
 statistics under the configured key prefix (``CONVEYOR_KEY_PREFIX``). ``infer_logits`` sends
 images to the classifier; ``oom_waves`` drives the out-of-memory model of
@@ -29,8 +29,6 @@ from bench.gpu_models import OOM_MODEL_NAME, binary_request, decode_logits, json
 from conveyor.harness import ProcessGroup, RedisServer, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-API_APP = "api.main:create_app"
-"""The API's app factory (``uvicorn --factory``)."""
 
 
 class GpuStack:
@@ -41,12 +39,14 @@ class GpuStack:
     """
 
     def __init__(self, repo: Path, logdir: Path, api_workers: int = 1,
-                 redis_binary: str | None = None, redis_ld: str = "") -> None:
+                 redis_binary: str | None = None, redis_ld: str = "",
+                 extra_env: dict[str, str] | None = None) -> None:
         self.repo = repo
         self.logdir = logdir
         self.api_workers = api_workers
         self.redis_binary = redis_binary
         self.redis_ld = redis_ld
+        self.extra_env = extra_env or {}
         self.keys = Keys(Settings().key_prefix)
         self.base = ""
         self.groups: dict[str, ProcessGroup] = {}
@@ -68,16 +68,15 @@ class GpuStack:
         site = os.environ.get("PYTHONPATH", "")
         env = {**os.environ, "CONVEYOR_REDIS_URL": self._redis.url,
                "CONVEYOR_MODEL_REPOSITORY": str(self.repo),
+               "CONVEYOR_HTTP_PORT": str(api_port),
                "CONVEYOR_GRPC_PORT": str(free_port()),
-               "CONVEYOR_GRPC_REUSEPORT": "1",  # uvicorn --workers N share the gRPC port
+               "CONVEYOR_API_WORKERS": str(self.api_workers),
                "CONVEYOR_WORKER_PORT": str(free_port()),
+               **self.extra_env,
                "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (site, str(ROOT)) if p)}
         self.groups["api"] = ProcessGroup(
-            "api", [sys.executable, "-m", "uvicorn", "--factory", API_APP, "--host", "127.0.0.1",
-                    "--port", str(api_port), "--no-access-log", "--log-level", "warning",
-                    "--workers", str(self.api_workers)],
-            env, self.logdir / "api.log", cwd=ROOT)
+            "api", [sys.executable, "-m", "api.serve"], env, self.logdir / "api.log", cwd=ROOT)
         self.groups["worker"] = ProcessGroup(
             "worker", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
                        "-n", f"gpu-{api_port}@%h", "--loglevel", "INFO", "--without-mingle",

@@ -39,12 +39,14 @@ class LoadResult:
     errors: int
 
 
-def run_wrk(url: str, body: Body, concurrency: int, duration_s: int, workdir: Path) -> LoadResult:
-    """POST ``body`` to ``url`` with wrk; non-2xx answers and socket errors are errors."""
+def run_wrk(url: str, body: Body, concurrency: int, duration_s: int, workdir: Path,
+            threads: int | None = None) -> LoadResult:
+    """POST ``body`` to ``url`` with wrk (``threads``: one per core, at most one per
+    connection, unless given); non-2xx answers and socket errors are errors."""
     (workdir / "body").write_bytes(body.content)
     script = workdir / "request.lua"
     script.write_text(wrk_script(workdir / "body", body.headers))
-    output = _run([_tool("wrk"), "-t", str(_threads(concurrency)), "-c", str(concurrency),
+    output = _run([_tool("wrk"), "-t", str(threads or _threads(concurrency)), "-c", str(concurrency),
                    "-d", f"{duration_s}s", "--timeout", f"{REQUEST_TIMEOUT_S}s", "--latency",
                    "-s", str(script), url], duration_s)
     return parse_wrk(output)

@@ -126,7 +126,7 @@ def test_a_model_without_declared_inputs_needs_a_file() -> None:
 
 
 def _raws(tensors: list[Tensor]) -> dict[str, bytes]:
-    return {tensor.name: tensor.raw for tensor in tensors}
+    return {tensor.name: bytes(tensor.raw) for tensor in tensors}
 
 
 def test_json_and_binary_bodies_parse_as_the_server_reads_them() -> None:

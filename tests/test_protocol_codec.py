@@ -135,7 +135,7 @@ def test_render_mixes_json_and_binary_outputs() -> None:
     body, length = render("m", parsed(outputs=[{"name": "o"}]), [out, other])
     assert length is None and orjson.loads(body)["outputs"][0]["data"] == [1.5, 2.5]
     body, length = render("m", parsed(), [out, other])
-    assert length is not None and body[length:] == out.raw + other.raw
+    assert length is not None and body[length:] == bytes(out.raw) + bytes(other.raw)
     request = parsed()
     request.binary_default = False
     body, length = render("m", request, [out])

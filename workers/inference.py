@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
 from batching.envelope import PATH, Reply
-from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure
+from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unavailable
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import Keys
 from batching.memory import UNBOUNDED, RowCap
@@ -46,6 +46,7 @@ from workers.batch_report import BatchListener, BatchReport, failure
 from workers.batch_run import BatchRunner, Outcome
 from workers.batch_stats import batch_counters
 from workers.model_thread import ModelThread
+from workers.shared_inputs import SharedInputs
 from workers.shared_state import SharedState
 from workers.stream_port import ReclaimPort, StreamPort
 
@@ -128,6 +129,7 @@ class InferenceLoop:
         """This thread's CPU time when the last batch's answers were sent."""
         self.service = ServiceRate()
         """Rows per second of running batches, published with the heartbeat."""
+        self.inputs = SharedInputs()
         self.runner = BatchRunner(config.name, self.former.layout, model, self.versions,
                                   {t.name: t.datatype for t in config.outputs})
 
@@ -289,7 +291,16 @@ class InferenceLoop:
         if batch is not None:
             self._start(batch)
 
+    def _readable(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` with their inputs in reach; one whose input is in an arena this
+        process cannot read (workers/shared_inputs.py) is answered now, unrun."""
+        readable, lost = self.inputs.split(entries)
+        for entry, why in lost:
+            self._answer_error([entry], Unavailable(why))
+        return readable
+
     def _arrived(self, fresh: list[Entry]) -> None:
+        fresh = self._readable(fresh)
         if fresh:
             self.policy.observe_arrivals(sum(e.rows for e in fresh), time.time())
             paths = [p for e in fresh if isinstance(p := e.request.params.get(PATH), int)
@@ -304,6 +315,7 @@ class InferenceLoop:
 
     def _admit(self, claimed: list[Entry]) -> None:
         """Queue claimed entries, dead-lettering those delivered too often."""
+        claimed = self._readable(claimed)
         if not claimed:
             return
         limit = self.config.max_deliveries

@@ -28,6 +28,7 @@ from batching.repository_scan import (
     load_model_config,
 )
 from batching.settings import Settings
+from batching.tensor_arena import host_token
 from workers.batch_run import DeviceLost
 from workers.cpu_threads import lone_threads, with_cpu_threads
 from workers.events import make_batch_events
@@ -82,6 +83,9 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
                                   socket_timeout=BLOCK_MS / 1000 + 5, health_check_interval=30)
     heartbeat = Heartbeat(client, keys, model_name, consumer, device,
                           settings.heartbeat_interval_s, on_beat=shared.beat)
+    shm = host_token()
+    if shm is not None:  # API processes that see the same token pass large inputs in memory
+        heartbeat.info["shm"] = shm
     heartbeat.start()
     link = blocking_link(settings.redis_url, BLOCK_MS / 1000 + 5, settings.lean_redis)
     streams = ModelStreams(client, link, keys.queues(model_name, config.queue.priority_levels),

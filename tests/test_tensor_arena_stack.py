@@ -1,0 +1,75 @@
+"""Large inputs skip Redis where the API process and the inference process share memory
+(batching/tensor_arena.py): against a real redis-server, API process and Celery worker,
+Redis reads a small part of the bytes the clients send, and every answer is right."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import MakeStack
+
+pytestmark = pytest.mark.integration
+
+ROW = 64 * 1024
+"""Bytes of one row: above the arena's smallest input (32 KiB by default)."""
+MODEL = '''\
+import numpy as np
+
+
+class Model:
+    def __init__(self, config, device):
+        pass
+
+    def predict(self, inputs):
+        x = inputs["image"]
+        return {"total": x.reshape(x.shape[0], -1).sum(axis=1, dtype=np.int64).reshape(-1, 1)}
+'''
+CONFIG = f"""\
+backend: python
+max_batch_size: 8
+inputs:
+  - {{name: image, datatype: UINT8, shape: [-1, {ROW}]}}
+outputs:
+  - {{name: total, datatype: INT64, shape: [-1, 1]}}
+"""
+
+
+def _repository(root: Path) -> Path:
+    folder = root / "summer"
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text(MODEL)
+    (folder / "config.yaml").write_text(CONFIG)
+    return root
+
+
+def _infer(client: httpx.Client, url: str, image: np.ndarray) -> int:
+    header = json.dumps({"inputs": [{"name": "image", "datatype": "UINT8", "shape": list(image.shape),
+                                     "parameters": {"binary_data_size": image.nbytes}}]}).encode()
+    response = client.post(f"{url}/v2/models/summer/infer", content=header + image.tobytes(),
+                           headers={"Inference-Header-Content-Length": str(len(header))})
+    assert response.status_code == 200, response.text
+    return int(response.json()["outputs"][0]["data"][0])
+
+
+def test_large_inputs_pass_through_shared_memory_not_redis(make_stack: MakeStack,
+                                                           tmp_path: Path) -> None:
+    stack = make_stack(_repository(tmp_path / "repo"))
+    url = stack.add_api()
+    stack.add_worker()
+    stack.wait_ready()
+    r = stack.redis()
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (1, ROW), dtype=np.uint8) for _ in range(24)]
+    with httpx.Client(timeout=30) as client:
+        _infer(client, url, images[0])  # the arena is made on the first large input
+        before = int(r.info("stats")["total_net_input_bytes"])
+        totals = [_infer(client, url, image) for image in images]
+        read = int(r.info("stats")["total_net_input_bytes"]) - before
+    assert totals == [int(image.sum()) for image in images]
+    sent = sum(image.nbytes for image in images)
+    assert read < sent / 4, f"Redis read {read:,} bytes of {sent:,} sent"
