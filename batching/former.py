@@ -54,6 +54,9 @@ class Entry:
 
 
 ShapeKey = tuple[str, tuple[tuple[str, tuple[int, ...]], ...]]
+Staging = Callable[[str, tuple[int, ...], "np.dtype[Any]"], "npt.NDArray[Any] | None"]
+"""Where a batch's input of this name, shape and dtype may be stacked (a model's pinned
+host buffer), or None: a new array."""
 """The model version asked for, and each input's name and dims."""
 
 
@@ -117,9 +120,10 @@ class Batch:
         (``params["lone"]``): the load is light, and the next wait may busy-poll."""
         return len(self.entries) == 1 and bool(self.entries[0].request.params.get("lone"))
 
-    def stacked_inputs(self) -> dict[str, npt.NDArray[Any]]:
+    def stacked_inputs(self, staging: Staging | None = None) -> dict[str, npt.NDArray[Any]]:
         """Concatenate each input along the batch axis, in entry order, padding declared
-        variable axes to the longest in the batch."""
+        variable axes to the longest in the batch; into the array ``staging`` gives for
+        the input's name, shape and dtype where it gives one (a model's pinned buffer)."""
         first = self.entries[0].request.inputs
         if len(self.entries) == 1:
             return {t.name: t.array() for t in first}
@@ -128,7 +132,11 @@ class Batch:
             parts = [e.request.inputs[i].array() for e in self.entries]
             if tensor.name in self.layout.pad:
                 parts = _pad_to_longest(parts, *self.layout.pad[tensor.name])
-            stacked[tensor.name] = np.concatenate(parts)
+            out = None
+            if staging is not None and len({p.dtype for p in parts}) == 1:
+                shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+                out = staging(tensor.name, shape, parts[0].dtype)
+            stacked[tensor.name] = np.concatenate(parts, out=out)
         return stacked
 
     def split(self, outputs: dict[str, npt.NDArray[Any]]) -> list[dict[str, npt.NDArray[Any]]]:

@@ -9,11 +9,11 @@ its arena and the stream entry carries only a reference: ``[arena, offset, lengt
 sequence]``.
 
 - **Who sees the same memory.** :func:`host_token` is a random token kept in
-  ``/dev/shm/conveyor-host``, created by the first process that asks. Processes that read
-  the same token share the memory; a container with its own ``/dev/shm``, or another
-  host, reads another. Inference processes put theirs in their heartbeat, and an API
-  process uses its arena for a model only while every heartbeat of the model carries its
-  own token.
+  ``/dev/shm/conveyor-host``, created by the first process that asks, and the process's
+  user id (an arena is readable by its owner only). Processes that read the same token
+  share the memory; a container with its own ``/dev/shm``, or another host, reads
+  another. Inference processes put theirs in their heartbeat, and an API process uses its
+  arena for a model only while every heartbeat of the model carries its own token.
 - **Lifetime.** The API process frees a tensor's space once the request is over for it
   (answered, timed out, its client gone): an inference process only reads while the
   request can still be answered. Each tensor is preceded by its sequence number, which
@@ -63,7 +63,13 @@ class TensorGone(Exception):
 
 
 def host_token(directory: Path = SHM_DIR) -> str | None:
-    """The token of the shared memory this process sees (None: no such directory)."""
+    """The token of the shared memory this process sees, with its user id: an arena
+    (mode 0600) can be read by processes of the same user only. None: no such directory."""
+    token = _memory_token(directory)
+    return None if token is None else f"{token}:{os.getuid()}"
+
+
+def _memory_token(directory: Path) -> str | None:
     path = directory / HOST_FILE
     with contextlib.suppress(FileNotFoundError, OSError):
         token = path.read_text().strip()

@@ -22,6 +22,8 @@ Phases, each time-boxed, each failure recorded and the next phase run anyway:
          client processes, --load python) at each concurrency (and one JSON point).
    plain: the same binary load against the plain FastAPI wrapper (bench/gpu_plain.py),
          one TorchScript call per request, on the same device.
+   redis: the stack again with CONVEYOR_TENSOR_ARENA_MB=0 (every input through Redis),
+         the two highest concurrencies again.
 4. oom:  waves of concurrent requests to ``oomtest``, whose predict allocates on the device
          in proportion to its rows so that more than --oom-rows rows cannot fit: whether
          every request succeeded, the learned row caps (heartbeat ``row_cap``) and
@@ -50,7 +52,7 @@ from pathlib import Path
 
 from bench.gpu_e2e import EndToEnd
 from bench.gpu_env import ROOT, environment
-from bench.gpu_models import BENCH_MODEL, NETS
+from bench.gpu_models import BENCH_MODEL, NETS, binary_request, seeded_images
 from bench.gpu_raw import RawPhase
 from bench.gpu_record import Phases, Recorder
 from bench.gpu_report import markdown
@@ -90,10 +92,21 @@ class Bench:
         self.e2e.start_clients()
 
     def e2e_phase(self) -> None:
-        self.e2e.run(self.raw.reference)
+        self.e2e.run(self.raw.reference, self.raw.many)
 
     def plain_phase(self) -> None:
         self.e2e.plain(self.stack.repo / BENCH_MODEL / "model.pt")
+
+    def redis_phase(self) -> None:
+        """The binary points again with every input through Redis (no tensor arena)."""
+        args = self.args
+        self.stack.stop()
+        self.stack.extra_env = {"CONVEYOR_TENSOR_ARENA_MB": "0"}
+        self.stack.start(args.ready_timeout)
+        body, headers = binary_request(seeded_images(1, seed=7))
+        for c in args.concurrency[-2:]:
+            self.e2e.load_point("binary, through Redis", c, body, headers, args.duration,
+                                args.warmup)
 
     # ----- phase 4
     def oom_phase(self) -> None:
@@ -127,6 +140,8 @@ class Bench:
                     self.phases.run("e2e", args.e2e_limit, self.e2e_phase, reserve_s=70)
                 if "plain" not in args.skip:
                     self.phases.run("plain", args.plain_limit, self.plain_phase)
+                if "redis" not in args.skip:
+                    self.phases.run("redis", args.ready_timeout + 60, self.redis_phase)
                 if "oom" not in args.skip:
                     self.phases.run("oom", args.oom_limit, self.oom_phase)
         except BaseException as exc:  # SIGTERM from the outer timeout, Ctrl-C
@@ -159,7 +174,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=330)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and durations (CPU dry run)")
     parser.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
-                        help="phases to skip: raw, e2e, plain, oom")
+                        help="phases to skip: raw, e2e, plain, redis (the binary points "
+                             "with the tensor arena off), oom")
     parser.add_argument("--raw-batches", type=ints, default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--raw-seconds", type=float, default=1.0)
     parser.add_argument("--latency-calls", type=int, default=200)

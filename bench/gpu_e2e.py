@@ -59,7 +59,7 @@ class EndToEnd:
                 with contextlib.suppress(Exception):
                     proc.kill()
 
-    def run(self, reference: Any) -> None:
+    def run(self, reference: Any, many: list[Any]) -> None:
         self.correctness(reference)
         args = self.args
         body, headers = binary_request(seeded_images(1, seed=7))
@@ -74,6 +74,8 @@ class EndToEnd:
             jbody, jheaders = json_request(seeded_images(1, seed=7))
             self.load_point("json", args.json_concurrency, jbody, jheaders, args.json_duration,
                             args.warmup)
+        if many:
+            self.batched_correctness(many)
         if args.profile_s > 0:
             self.profile(max(args.concurrency), body, headers)
         with urllib.request.urlopen(f"{self.stack.base}/metrics", timeout=5) as response:
@@ -97,6 +99,27 @@ class EndToEnd:
                 "same_argmax": bool(got.argmax() == reference.argmax()),
                 "reference_absmax": float(abs(reference).max())}
         self.rec.emit("e2e_correctness", **results)
+
+    def batched_correctness(self, many: list[Any]) -> None:
+        """Distinct images sent all at once (so batched together, stacked in the model's
+        pinned buffer on a GPU): each answer against that image's own logits."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from bench.gpu_models import tolerance
+
+        def one(i: int) -> float:
+            got = infer_logits(self.stack.base, BENCH_MODEL, seeded_images(1, seed=100 + i), "binary")
+            return relative_diff(got, many[i])
+
+        with ThreadPoolExecutor(len(many)) as pool:
+            diffs = list(pool.map(one, range(len(many))))
+        stats = self.stack.stats(BENCH_MODEL)
+        self.rec.emit("e2e_batched_correctness", requests=len(many),
+                      worst_relative_diff=round(max(diffs), 5),
+                      all_within_tolerance=max(diffs) <= tolerance(self.args.device),
+                      largest_batch=max((int(k.split(":")[1]) for k in stats
+                                         if k.startswith("batch:") and k.endswith(":count")),
+                                        default=0))
 
     def _clients(self, concurrency: int, body: bytes, headers: dict[str, str],
                  seconds: float, base: str | None = None) -> list[dict[str, Any]]:

@@ -63,6 +63,10 @@ def rows_per_s(call: Callable[[], Any], rows: int, device: str, seconds: float, 
                 return calls * rows / elapsed
 
 
+MANY = 48
+"""Distinct images sent at once to check the answers of batched requests."""
+
+
 class RawPhase:
     """Exports the repository into ``repo`` and times the model; ``reference`` (the eager
     logits of ``seeded_images(1)``) is what the end-to-end answers are compared with, kept
@@ -73,6 +77,8 @@ class RawPhase:
         self.args = args
         self.repo = repo
         self.reference: Any = None
+        self.many: list[Any] = []
+        """The logits of ``seeded_images(1, seed=100 + i)``, i < MANY, one at a time."""
 
     def run(self) -> None:
         import torch
@@ -105,6 +111,9 @@ class RawPhase:
                               rows_per_s=rates)
         diff = float(abs(logits(traced, one_image, device) - self.reference).max())
         self.rec.emit("raw_trace_check", max_abs_diff_vs_eager=diff)
+        # one image at a time, as each request's answer should read however it is batched
+        self.many = [logits(traced, seeded_images(1, seed=100 + i), device)
+                     for i in range(MANY)]
         del model, traced, exported
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

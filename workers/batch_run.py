@@ -79,7 +79,7 @@ class BatchRunner:
         phases = done.phase_ns
         begun = time.perf_counter_ns()
         try:
-            inputs = batch.stacked_inputs()
+            inputs = batch.stacked_inputs(getattr(self.model, "staging", None))
             stacked = time.perf_counter_ns()
             phases[0] += stacked - begun
             outputs = self.predict(inputs, rows, self._model_for(entries[0]), batch.lone)

@@ -41,7 +41,7 @@ def test_a_freed_tensor_is_gone_for_a_late_reader(tmp_path: Path) -> None:
 def test_space_is_reused_in_order_and_a_full_arena_refuses(tmp_path: Path) -> None:
     arena = Arena(4 * KIB, tmp_path)
     refs = [arena.put(b"a" * 1100) for _ in range(3)]  # with its header, 1,152 bytes each
-    assert all(r is not None for r in refs)
+    assert refs[0] is not None and refs[1] is not None and refs[2] is not None
     assert arena.put(b"b" * 1100) is None  # 3,456 used, 640 left
     arena.free(refs[1])  # freed out of order: waits for the oldest
     assert arena.put(b"b" * 1100) is None
@@ -90,7 +90,7 @@ def test_processes_of_one_shared_memory_read_one_host_token(tmp_path: Path) -> N
            "print(host_token(Path(sys.argv[1])))"
     other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True,
                            capture_output=True, text=True).stdout.strip()
-    assert token and other == token
+    assert token and other == token and token.endswith(f":{os.getuid()}")
     elsewhere = tmp_path / "other"
     elsewhere.mkdir()
     assert host_token(elsewhere) != token
