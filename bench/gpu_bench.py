@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--raw-limit", type=float, default=120)
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--api-workers", type=int, default=8)
+    parser.add_argument("--instances", type=int, default=1,
+                        help="inference processes of the classifier on the device (its count)")
     parser.add_argument("--load", choices=("wrk", "python"), default="wrk",
                         help="the load generator: wrk (C, closed loop) or Python client processes")
     parser.add_argument("--wrk-threads", type=int, default=4)

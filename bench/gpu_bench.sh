@@ -13,7 +13,12 @@
 #        libgcrypt20 libgpg-error0 liblz4-1 liblzma5 libzstd1)   # used only if ldd misses them
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .gpu/whl fastapi starlette ... (the list in bench/RESULTS.md, "GPU (H200)")
+#       -d .gpu/whl fastapi starlette uvicorn httptools pydantic pydantic-core \
+#       pydantic-settings python-dotenv annotated-types annotated-doc typing-inspection \
+#       redis hiredis celery kombu billiard vine amqp click-didyoumean click-repl \
+#       click-plugins prompt-toolkit wcwidth tzdata tzlocal python-dateutil orjson hpack \
+#       grpcio grpcio-health-checking protobuf fastapi-offline opentelemetry-api \
+#       importlib-metadata zipp py-spy      # at the versions of the local .venv (pip freeze)
 #
 # Usage: bash bench/gpu_bench.sh [gpu_bench.py arguments]   (OUT: where results go)
 set -u

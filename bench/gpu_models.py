@@ -28,7 +28,7 @@ outputs:
 queue:
   max_queue_rows: 100000
 instances:
-  - {{device: "{device}", count: 1}}
+  - {{device: "{device}", count: {instances}}}
 """
 
 OOM_CONFIG = """\
@@ -163,14 +163,16 @@ def seeded_images(rows: int, seed: int = 1) -> Any:
     return np.random.default_rng(seed).integers(0, 256, size=(rows, *IMAGE_SHAPE), dtype=np.uint8)
 
 
-def export_classifier(model: Any, folder: Path, device: str, max_batch: int) -> Any:
+def export_classifier(model: Any, folder: Path, device: str, max_batch: int,
+                      instances: int = 1) -> Any:
     """Trace ``model`` into the model folder ``folder`` (torchscript backend on ``device``)
     and return the traced model as loaded back from the file."""
     import torch
 
     jit: Any = torch.jit  # untyped
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(CLASSIFIER_CONFIG.format(max_batch=max_batch, device=device))
+    (folder / "config.yaml").write_text(CLASSIFIER_CONFIG.format(max_batch=max_batch, device=device,
+                                                                 instances=instances))
     example = torch.from_numpy(seeded_images(2)).to(device)
     with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; conveyor still serves it
         warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
@@ -202,10 +204,10 @@ class Exported:
 
 
 def export_repository(repo: Path, device: str, net: Any, classifier_name: str, max_batch: int,
-                      oom_rows: int) -> Exported:
+                      oom_rows: int, instances: int = 1) -> Exported:
     """``net`` as the classifier, traced, and the out-of-memory model, both on ``device``."""
     eager = classifier(net, device)
-    traced = export_classifier(eager, repo / classifier_name, device, max_batch)
+    traced = export_classifier(eager, repo / classifier_name, device, max_batch, instances)
     write_oom_model(repo, device, oom_rows)
     return Exported(repo, classifier_name, oom_rows, eager, traced)
 

@@ -86,7 +86,7 @@ class RawPhase:
         args = self.args
         device = args.device
         exported = export_repository(self.repo, device, NETS[args.net][1](), BENCH_MODEL, args.max_batch,
-                                     args.oom_rows)
+                                     args.oom_rows, args.instances)
         model, traced = exported.eager, exported.traced
         self.rec.emit("raw_model", dtype=str(model.mean.dtype), memory_format="channels_last",
                       params=sum(p.numel() for p in model.parameters()))

@@ -46,7 +46,8 @@ def markdown(rec: Recorder, args: argparse.Namespace) -> str:
     ceiling: dict[str, int] = next((r["rows_per_s"] for r in raws if r["variant"] == "torchscript"), {})
     if points:
         lines += [f"### conveyor end to end: {BENCH_MODEL} (TorchScript) on "
-                  f"{args.device}, {args.api_workers} API processes, 1 inference process, "
+                  f"{args.device}, {args.api_workers} API processes, {args.instances} inference "
+                  f"process(es), "
                   f"load from {points[0].get('client', '?')}", "",
                   "The ceiling is the raw TorchScript model's rows/s (input on the device) at "
                   "the batch size nearest the point's mean batch per request. µs per request: "

@@ -16,7 +16,9 @@ of the commands sent (a script's time includes the commands it calls, which are 
 once); the rest is reading, parsing and writing. ``--io-threads 1 2`` measures each model
 with Redis's own default and again with two I/O threads that also read
 (``io-threads-do-reads yes``), counting the reads and writes they took
-(``io_threaded_reads_processed``, ``io_threaded_writes_processed``).
+(``io_threaded_reads_processed``, ``io_threaded_writes_processed``). The tensor arena is
+off (``CONVEYOR_TENSOR_ARENA_MB=0``): this is the cost when the bytes go through Redis,
+as they do between hosts.
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def measure(model: str, tensor: Input, io_threads: int, args: argparse.Namespace
         env = {**os.environ, "CONVEYOR_REDIS_URL": server.url, "CONVEYOR_MODELS": model,
                "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_API_WORKERS": "1",
                "CONVEYOR_HTTP_PORT": str(api_port), "CONVEYOR_GRPC_PORT": str(free_port()),
-               "CONVEYOR_WORKER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+               "CONVEYOR_WORKER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
+               # the bytes through Redis, as between hosts: on one host a 150 KB input
+               # would skip it (the tensor arena, docs/data-path.md)
+               "CONVEYOR_TENSOR_ARENA_MB": "0"}
         stack.enter_context(running([
             ProcessGroup("api", [sys.executable, "-m", "api.serve"], env, work / "api.log", cwd=ROOT),
             ProcessGroup("worker", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
