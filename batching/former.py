@@ -54,10 +54,10 @@ class Entry:
 
 
 ShapeKey = tuple[str, tuple[tuple[str, tuple[int, ...]], ...]]
+"""The model version asked for, and each input's name and dims."""
 Staging = Callable[[str, tuple[int, ...], "np.dtype[Any]"], "npt.NDArray[Any] | None"]
 """Where a batch's input of this name, shape and dtype may be stacked (a model's pinned
 host buffer), or None: a new array."""
-"""The model version asked for, and each input's name and dims."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,10 +79,11 @@ class BatchRunner:
         phases = done.phase_ns
         begun = time.perf_counter_ns()
         try:
-            inputs = batch.stacked_inputs(getattr(self.model, "staging", None))
+            model = self._model_for(entries[0])
+            inputs = batch.stacked_inputs(getattr(model, "staging", None))
             stacked = time.perf_counter_ns()
             phases[0] += stacked - begun
-            outputs = self.predict(inputs, rows, self._model_for(entries[0]), batch.lone)
+            outputs = self.predict(inputs, rows, model, batch.lone)
             phases[1] += time.perf_counter_ns() - stacked
         except ConveyorError as exc:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
