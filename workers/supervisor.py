@@ -45,6 +45,7 @@ from batching.repository_scan import (
 )
 from batching.resp import RespError
 from batching.settings import Settings
+from batching.tensor_arena import host_token
 from workers.process import serve
 from workers.shared_state import ProcState, SharedState
 from workers.unload import turn_away
@@ -117,6 +118,10 @@ class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
+        self._shm = host_token()
+        """This host's shared-memory token, which its processes will carry too
+        (batching/tensor_arena.py): a slot announced before its process beats does not
+        turn an API's tensor arena off for the model."""
         scan = scan_repository(settings.model_repository, settings.model_filter() or None)
         table = status_table(state_rows(scan.models, scan.failed), served_versions(scan.models))
         log.log(logging.WARNING if scan.failed else logging.INFO, "model repository %s:\n%s",
@@ -266,11 +271,12 @@ class Supervisor:
             self._redis.hset(self.keys.workers(slot.model), slot.name, self._slot_beat(slot))
         self._forget(slot, process)
 
-    @staticmethod
-    def _slot_beat(slot: Slot) -> str:
+    def _slot_beat(self, slot: Slot) -> str:
         state = "failed" if slot.failed else "restarting" if slot.restarts else "loading"
         beat = {"state": state, "model": slot.model, "device": slot.device,
                 "restarts": slot.restarts, "ts": time.time()}
+        if self._shm is not None:  # its process, of this host and user, will read the arenas
+            beat["shm"] = self._shm
         if slot.failed:
             beat.update(reason=slot.reason, since=slot.failed_at)
         return json.dumps(beat)
