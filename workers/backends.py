@@ -147,29 +147,37 @@ class _TorchModel:
         self._config = config
         self._module = module
         self._device = device
-        self._pinned: dict[str, Any] = {}
-        """Per input, the page-locked host buffer batches are stacked into (CUDA only)."""
-        self._staged: dict[str, tuple[npt.NDArray[Any], Any]] = {}
-        """Per input, the last array handed out by :meth:`staging` and its torch view."""
+        self._pinned: dict[str, list[Any]] = {}
+        """Per input, two page-locked host buffers that batches are stacked into in turn
+        (CUDA only): one batch's while the model runs, the next one's stacked meanwhile."""
+        self._turns: dict[str, int] = {}
+        """Per input, which of its two buffers the last batch was stacked into."""
+        self._staged: dict[str, list[tuple[npt.NDArray[Any], Any]]] = {}
+        """Per input, the arrays :meth:`staging` handed out last, with their torch views."""
 
     def staging(self, name: str, shape: tuple[int, ...],
                 dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
         """A page-locked array for a batch's input ``name`` (``Batch.stacked_inputs``
         stacks into it): its copy to the device runs at full speed and does not block.
-        Reused by the next batch, which is stacked only after this one's outputs are back
-        on the host. None on a CPU."""
+        The two buffers of an input take turns: a batch is stacked into one while the
+        model runs the batch stacked in the other, whose outputs are back on the host
+        before a third batch is stacked there. None on a CPU."""
         if not self._device.startswith("cuda"):
             return None
         import torch
 
         size = int(np.prod(shape)) * dtype.itemsize
-        buffer = self._pinned.get(name)
+        pair = self._pinned.setdefault(name, [None, None])
+        turn = self._turns[name] = 1 - self._turns.get(name, 1)
+        buffer = pair[turn]
         if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(size + size // 4, dtype=torch.uint8, pin_memory=True)
-            self._pinned[name] = buffer
+            buffer = pair[turn] = torch.empty(size + size // 4, dtype=torch.uint8,
+                                              pin_memory=True)
         array: npt.NDArray[Any] = buffer[:size].numpy().view(dtype).reshape(shape)
         tensor_type = torch.from_numpy(array[:0]).dtype
-        self._staged[name] = (array, buffer[:size].view(tensor_type).view(shape))
+        staged = self._staged.setdefault(name, [])
+        staged.append((array, buffer[:size].view(tensor_type).view(shape)))
+        del staged[:-2]
         return array
 
     def predict(self, inputs: Arrays) -> Arrays:
@@ -185,9 +193,9 @@ class _TorchModel:
     def _on_device(self, name: str, array: npt.NDArray[Any]) -> Any:
         import torch
 
-        staged = self._staged.get(name)
-        if staged is not None and staged[0] is array:  # pinned: queued ahead of the kernels
-            return staged[1].to(self._device, non_blocking=True)
+        for staged, tensor in self._staged.get(name, ()):
+            if staged is array:  # pinned: its copy is queued ahead of the kernels
+                return tensor.to(self._device, non_blocking=True)
         # from_numpy needs a writable, C-ordered array; np.frombuffer views are read-only.
         return torch.from_numpy(np.require(array, requirements=["C", "W"])).to(self._device)
 

@@ -72,7 +72,19 @@ class BatchRunner:
         self.versions = versions
         self._out_types = out_types
 
-    def run_entries(self, entries: list[Entry], done: Outcome) -> list[tuple[Entry, Reply]]:
+    def stack(self, batch: Batch) -> Arrays | None:
+        """``batch``'s inputs stacked ahead of its run, into the buffer its model offers
+        (``staging``: pinned host memory on a GPU); None where the model offers none, or
+        the batch cannot be stacked (its run then finds out why)."""
+        try:
+            staging = getattr(self._model_for(batch.entries[0]), "staging", None)
+            return None if staging is None else batch.stacked_inputs(staging)
+        except (ConveyorError, ValueError, TypeError):  # the run stacks again and answers it
+            return None
+
+    def run_entries(self, entries: list[Entry], done: Outcome,
+                    stacked_inputs: Arrays | None = None) -> list[tuple[Entry, Reply]]:
+        """Run ``entries`` as one batch (their inputs already stacked: ``stacked_inputs``)."""
         rows = sum(e.rows for e in entries)
         batch = Batch(entries, "", self.layout)
         width = batch.width
@@ -80,7 +92,8 @@ class BatchRunner:
         begun = time.perf_counter_ns()
         try:
             model = self._model_for(entries[0])
-            inputs = batch.stacked_inputs(getattr(model, "staging", None))
+            inputs = (stacked_inputs if stacked_inputs is not None
+                      else batch.stacked_inputs(getattr(model, "staging", None)))
             stacked = time.perf_counter_ns()
             phases[0] += stacked - begun
             outputs = self.predict(inputs, rows, model, batch.lone)

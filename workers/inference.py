@@ -43,7 +43,7 @@ from workers.backends import (
     LoadedModel,
 )
 from workers.batch_report import BatchListener, BatchReport, failure
-from workers.batch_run import BatchRunner, Outcome
+from workers.batch_run import Arrays, BatchRunner, Outcome
 from workers.batch_stats import batch_counters
 from workers.model_thread import ModelThread
 from workers.shared_inputs import SharedInputs
@@ -109,6 +109,9 @@ class InferenceLoop:
         """When the batch on the model thread started (time.monotonic())."""
         self._lone_running = False
         """The batch on the model thread is :attr:`Batch.lone`."""
+        self._prepared: tuple[Batch, Arrays | None] | None = None
+        """The next batch, formed full and stacked while the model ran the last one
+        (:meth:`_prepare`), with its stacked inputs."""
         self._model_s = 0.0
         """How long the last batch took in the model thread."""
         self.batches = 0
@@ -130,6 +133,9 @@ class InferenceLoop:
         self.service = ServiceRate()
         """Rows per second of running batches, published with the heartbeat."""
         self.inputs = SharedInputs()
+        self._stages = pipelined and hasattr(model, "staging")
+        """The model stacks batches into a buffer of its own: a full next batch is
+        stacked while the model runs (:meth:`_prepare`)."""
         self.runner = BatchRunner(config.name, self.former.layout, model, self.versions,
                                   {t.name: t.datatype for t in config.outputs})
 
@@ -157,7 +163,8 @@ class InferenceLoop:
     @property
     def idle(self) -> bool:
         """Nothing read waits here and no batch runs: a stopping process may exit."""
-        return len(self.former) == 0 and not (self._model and self._model.busy)
+        return (len(self.former) == 0 and self._prepared is None
+                and not (self._model and self._model.busy))
 
     def step(self) -> None:
         """Read, claim, and run at most one batch (pipelined: launch it, or take the model's
@@ -211,6 +218,7 @@ class InferenceLoop:
             now = time.time()
         self._answer_expired(now)
         if busy:
+            self._prepare(now)
             # Read again soon while the next batch can still grow; else wait for the model.
             growing = room > 0 and not self.stopping and not (
                 self._lone_running and len(self.former) == 0)
@@ -256,20 +264,36 @@ class InferenceLoop:
         return self.former.take(decision.reason or "drain",
                                 min(cap, self._in_time_rows or cap))
 
-    def _start(self, batch: Batch) -> None:
-        """Pipelined, launch ``batch`` on the model thread; else, or when it is on trial,
-        run it here: nothing else runs or is answered while an entry is on trial."""
+    def _prepare(self, now: float) -> None:
+        """While the model runs, take a next batch that is already as full as it can be
+        and stack its inputs now, into the buffer its model offers (pinned host memory
+        on a GPU): the model then starts it the moment it frees, instead of idling while
+        the batch is stacked. Only a full batch: one that could still grow waits for the
+        model, to take in what arrives meanwhile."""
+        if (self._prepared is not None or self.stopping or not self._stages
+                or self.former.pending_rows < self.row_cap.cap):
+            return
+        batch = self._form(now)
+        if batch is not None:
+            trial = batch.entries[0].deliveries > 1  # runs on this thread: nothing to stack
+            self._prepared = (batch, None if trial else self.runner.stack(batch))
+
+    def _start(self, batch: Batch, stacked: Arrays | None = None) -> None:
+        """Pipelined, launch ``batch`` on the model thread (its inputs ``stacked`` if they
+        are); else, or when it is on trial, run it here: nothing else runs or is answered
+        while an entry is on trial."""
         if self._model is None or batch.entries[0].deliveries > 1:
             self.run(batch)
             return
         self.streams.settle()
         self._running = time.monotonic()
         self._lone_running = batch.lone
-        self._model.launch(partial(self._execute, batch))
+        self._model.launch(partial(self._execute, batch, stacked))
 
     def _hand_over(self) -> None:
-        """The model is free: launch the next batch, formed from everything read while the
-        last one ran, then answer the last one (before the next, if that one is on trial).
+        """The model is free: launch the next batch (the one :meth:`_prepare` stacked, or
+        one formed now from everything read while the last one ran), then answer the last
+        one (before the next, if that one is on trial).
         What the model thread raised (the device lost, say) raises here, once the answers
         already sent are applied."""
         assert self._model is not None
@@ -283,9 +307,14 @@ class InferenceLoop:
         self._learn_fits(done)
         now = time.time()
         self._answer_expired(now)
-        batch = self._form(now)
+        batch: Batch | None
+        stacked: Arrays | None = None
+        if self._prepared is not None:
+            (batch, stacked), self._prepared = self._prepared, None
+        else:
+            batch = self._form(now)
         if batch is not None and batch.entries[0].deliveries == 1:
-            self._start(batch)
+            self._start(batch, stacked)
             batch = None
         self._finish(done)
         if batch is not None:
@@ -343,14 +372,14 @@ class InferenceLoop:
         self._learn_fits(done)
         self._finish(done)
 
-    def _execute(self, batch: Batch) -> Outcome:
+    def _execute(self, batch: Batch, stacked: Arrays | None = None) -> Outcome:
         """Run ``batch`` through the model (on the model thread when pipelined): touches
         nothing the loop's thread uses but ``shared.busy_since``, which the supervisor
         watches for hangs."""
         self.shared.busy_since = time.monotonic()
         done = Outcome(batch, time.time())
         try:
-            done.answered = self.runner.run_entries(batch.entries, done)
+            done.answered = self.runner.run_entries(batch.entries, done, stacked)
         finally:
             self.shared.busy_since = 0.0
         done.finished = time.time()

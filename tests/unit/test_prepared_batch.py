@@ -1,0 +1,92 @@
+"""While the model runs, a next batch that is already full is formed and stacked on the
+loop's thread (``InferenceLoop._prepare``), so that the model starts it the moment it
+frees: for a model that stacks into a buffer of its own (``staging``, pinned memory on a
+GPU). A batch that could still grow is left to form when the model frees."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from batching.config import BatchingConfig, ModelConfig, TensorSpec
+from tests.unit.test_inference_pipeline import (
+    KEYS,
+    MODEL,
+    ROWS,
+    Sleepy,
+    replies,
+    request,
+    run_until_idle,
+)
+from workers.inference import InferenceLoop
+from workers.memory_streams import MemoryReclaimer, MemoryStreams
+from workers.shared_state import SharedState
+
+
+class Staging(Sleepy):
+    """A sleepy model that offers buffers to stack into, and records when each batch was
+    stacked, on which thread, and whether the batch it then ran was the one stacked."""
+
+    def __init__(self, streams: MemoryStreams) -> None:
+        super().__init__(streams)
+        self.stacked: list[tuple[float, str]] = []
+        self.buffers: list[npt.NDArray[Any]] = []
+        self.ran_stacked: list[bool] = []
+
+    def staging(self, name: str, shape: tuple[int, ...],
+                dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
+        self.stacked.append((time.monotonic(), threading.current_thread().name))
+        self.buffers.append(np.empty(shape, dtype))
+        return self.buffers[-1]
+
+    def predict(self, inputs: dict[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        self.ran_stacked.append(any(inputs["x"] is b for b in self.buffers))
+        return super().predict(inputs)
+
+
+def _loop() -> tuple[InferenceLoop, MemoryStreams, Staging]:
+    config = ModelConfig(
+        MODEL, "python", ROWS, inputs=(TensorSpec("x", "FP32", (-1, 4)),),
+        outputs=(TensorSpec("y", "FP32", (-1, 4)),),
+        batching=BatchingConfig(max_queue_delay_us=0, adaptive=False))
+    streams = MemoryStreams(KEYS.queues(MODEL, config.queue.priority_levels))
+    model = Staging(streams)
+    loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),
+                         SharedState(multiprocessing.get_context("spawn")), KEYS,
+                         pipelined=True)
+    return loop, streams, model
+
+
+def test_a_full_next_batch_is_stacked_while_the_model_runs() -> None:
+    loop, streams, model = _loop()
+    sent = [request(float(i)) for i in range(3 * ROWS)]
+    for each in sent:
+        streams.put(each)
+    run_until_idle(loop)
+    assert model.batches == [ROWS] * 3 and model.ran_stacked == [True] * 3
+    loop_thread = threading.current_thread().name
+    assert [thread for _, thread in model.stacked] == ["model-sleepy", loop_thread, loop_thread]
+    for i in (1, 2):  # stacked before the batch ahead of it had left the model
+        assert model.stacked[i][0] < model.starts[i - 1] + model.slept[i - 1]
+    got = replies(streams)
+    for each in sent:
+        np.testing.assert_array_equal(next(t.array() for t in got[each.id].outputs),
+                                      each.inputs[0].array() * 2)
+
+
+def test_a_next_batch_that_can_still_grow_waits_for_the_model() -> None:
+    loop, streams, model = _loop()
+    for i in range(ROWS + 2):
+        streams.put(request(float(i)))
+    loop.step()  # launches the first, full batch
+    for i in range(3):  # arrive while it runs: the next batch takes them in
+        streams.put(request(float(100 + i)))
+    run_until_idle(loop)
+    assert model.batches == [ROWS, 5]
+    assert all(thread == "model-sleepy" for _, thread in model.stacked)
+    assert len(replies(streams)) == ROWS + 5
