@@ -68,13 +68,15 @@ class Sleepy:
         return {"y": x * 2}
 
 
-def make_loop(pipelined: bool = True) -> tuple[InferenceLoop, MemoryStreams, Sleepy]:
+def make_loop(pipelined: bool = True,
+              model_type: type[Sleepy] = Sleepy) -> tuple[InferenceLoop, MemoryStreams, Sleepy]:
+    """A loop over in-memory streams running a ``model_type`` (a :class:`Sleepy`)."""
     config = ModelConfig(
         MODEL, "python", ROWS, inputs=(TensorSpec("x", "FP32", (-1, 4)),),
         outputs=(TensorSpec("y", "FP32", (-1, 4)),),
         batching=BatchingConfig(max_queue_delay_us=0, adaptive=False))
     streams = MemoryStreams(KEYS.queues(MODEL, config.queue.priority_levels))
-    model = Sleepy(streams)
+    model = model_type(streams)
     loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),
                          SharedState(multiprocessing.get_context("spawn")), KEYS,
                          pipelined=pipelined)

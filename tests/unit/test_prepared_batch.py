@@ -5,7 +5,6 @@ GPU). A batch that could still grow is left to form when the model frees."""
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 from typing import Any
@@ -13,19 +12,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from batching.config import BatchingConfig, ModelConfig, TensorSpec
 from tests.unit.test_inference_pipeline import (
-    KEYS,
-    MODEL,
     ROWS,
     Sleepy,
+    make_loop,
     replies,
     request,
     run_until_idle,
 )
 from workers.inference import InferenceLoop
-from workers.memory_streams import MemoryReclaimer, MemoryStreams
-from workers.shared_state import SharedState
+from workers.memory_streams import MemoryStreams
 
 
 class Staging(Sleepy):
@@ -50,15 +46,8 @@ class Staging(Sleepy):
 
 
 def _loop() -> tuple[InferenceLoop, MemoryStreams, Staging]:
-    config = ModelConfig(
-        MODEL, "python", ROWS, inputs=(TensorSpec("x", "FP32", (-1, 4)),),
-        outputs=(TensorSpec("y", "FP32", (-1, 4)),),
-        batching=BatchingConfig(max_queue_delay_us=0, adaptive=False))
-    streams = MemoryStreams(KEYS.queues(MODEL, config.queue.priority_levels))
-    model = Staging(streams)
-    loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),
-                         SharedState(multiprocessing.get_context("spawn")), KEYS,
-                         pipelined=True)
+    loop, streams, model = make_loop(model_type=Staging)
+    assert isinstance(model, Staging)
     return loop, streams, model
 
 
