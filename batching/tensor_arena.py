@@ -151,14 +151,6 @@ class Arena:
         if not self._spans:
             self._head = 0
 
-    @property
-    def used(self) -> int:
-        """Bytes between the oldest tensor still held and the newest."""
-        if not self._spans:
-            return 0
-        tail, head = self._spans[0].offset, self._head
-        return head - tail if head > tail else self.size - tail + head
-
     def _room(self, need: int) -> int | None:
         if not self._spans:
             return 0 if need <= self.size else None
