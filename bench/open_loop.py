@@ -113,6 +113,21 @@ class _Connection(asyncio.Protocol):
         self.on_answer(self, -1, self._scheduled)
 
 
+def pooled(outcomes: Sequence[Outcome]) -> Outcome:
+    """Several runs of one policy at one point as one: their requests together, their
+    CPU share the mean of theirs."""
+    out = Outcome()
+    for one in outcomes:
+        out.latencies_ms += one.latencies_ms
+        out.statuses += one.statuses
+        out.lag_ms += one.lag_ms
+        out.lost += one.lost
+        out.sent += one.sent
+        out.extra_connections += one.extra_connections
+    out.cpu_share = sum(one.cpu_share for one in outcomes) / max(1, len(outcomes))
+    return out
+
+
 async def run(host: str, port: int, path: str, body: bytes, send_times: Sequence[float],
               connections: int, *, warmup_s: float = 0.0, drain_s: float = 5.0,
               content_type: str = "application/json") -> Outcome:

@@ -4,14 +4,19 @@ under open-loop Poisson and on/off arrivals, with the simulator's prediction bes
 Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny,device] [--loads 10,30,50,70,85,95,110,125]
                              [--fixed 0,1000,2000,5000,10000,20000] [--arrivals poisson,on-off]
                              [--point-s 4] [--warmup-s 1] [--target-ms 50] [--max-lag-ms 5]
-                             [--repeats 1] [--out bench/RESULTS-batching.md]
+                             [--repeats 1] [--slices 1] [--out bench/RESULTS-batching.md]
 
 Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the
 adaptive policy measures its closed-loop capacity (the better of 64 and 256 connections, req/s)
 and the whole-path batch time its policy learned (``t(n) = a + b·n``); every policy's stack
 runs beside it, and at every arrival pattern and load (a share of that capacity) each policy
 takes its turn, in an order rotated from one point to the next (``--repeats`` rounds of
-turns; each policy's point is then its run of median goodput). Requests carry
+turns; each policy's point is then its run of median goodput). With ``--slices K`` a run
+is K slices of ``--point-s`` (each after its own warm-up), the policies taking turns slice
+by slice, every policy given the same arrivals in its k-th slice, pooled: this host's speed
+drifts by 10-25% within a minute, even idle, and at loads near capacity that alone moves a
+point's goodput by more than the policies differ; in short turns over the same stretch of
+time, every policy meets the same drift. Requests carry
 ``parameters.timeout`` = the latency target: a client that wants its answer within the target
 says so. Goodput = answers with status 200 within the target, per second. The generator
 (bench.open_loop) reports its own CPU and send lag; a point whose send lag p99 exceeds
@@ -55,6 +60,9 @@ ARRIVALS: dict[str, Callable[[float, float, int], list[float]]] = {
 }
 """Send times by pattern; on-off: 100 ms at twice the rate, then 100 ms silent."""
 ADAPTIVE_BOUND_US = 20000
+SLICE_SEED = 7919
+"""The arrivals of a point's slice ``k`` are drawn from the point's seed + k times this:
+every policy gets the same ones."""
 
 
 @dataclass
@@ -169,25 +177,61 @@ def predict(setting: Setting, times: list[float], seconds: float, device: Device
     return float((out.latency + path_s <= target_s).sum()) / seconds
 
 
-def measure(stack: Stack, setting: Setting, pattern: str, share: float, capacity: float,
-            args: argparse.Namespace, device: Device, path_s: float) -> Point:
+@dataclass
+class Slice:
+    """One policy's run of one stretch of a point's arrivals."""
+
+    out: open_loop.Outcome
+    predicted: float
+    """The simulator's goodput (req/s) for the same send times."""
+
+
+def run_slice(stack: Stack, setting: Setting, pattern: str, share: float, capacity: float,
+              args: argparse.Namespace, device: Device, path_s: float, seed: int) -> Slice:
+    """``args.warmup_s`` then ``args.point_s`` of ``pattern`` arrivals at ``share`` of
+    ``capacity``, drawn from ``seed``."""
     rate = share * capacity
     seconds = args.warmup_s + args.point_s
-    times = ARRIVALS[pattern](rate, seconds, round(share * 1000))
+    times = ARRIVALS[pattern](rate, seconds, seed)
     out = drive(stack, times, args.warmup_s, connections_for(rate))
-    target_s = args.target_ms / 1e3
-    good = out.good(args.target_ms) / args.point_s
+    return Slice(out, predict(setting, times, seconds, device, path_s, args.target_ms / 1e3,
+                              max_rows(stack.model)))
+
+
+def point_of(setting: Setting, pattern: str, share: float, slices: list[Slice],
+             args: argparse.Namespace) -> Point:
+    """One policy's point: its slices' requests pooled."""
+    out = open_loop.pooled([piece.out for piece in slices])
+    measured_s = args.point_s * len(slices)
     ok_ms = sorted(ms for s, ms in zip(out.statuses, out.latencies_ms, strict=True) if s == 200)
     point = Point(
-        setting=setting.label, pattern=pattern, share=share, offered=out.sent / args.point_s,
-        goodput=good, predicted=predict(setting, times, seconds, device, path_s, target_s,
-                          max_rows(stack.model)),
+        setting=setting.label, pattern=pattern, share=share, offered=out.sent / measured_s,
+        goodput=out.good(args.target_ms) / measured_s,
+        predicted=sum(piece.predicted for piece in slices) / len(slices),
         p99_ms=ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))] if ok_ms else float("nan"),
         ok=out.count(200), late_or_shed=out.count(504), other=len(out.statuses) - out.count(200)
         - out.count(504) + out.lost, gen_cpu=out.cpu_share, lag_p99_ms=out.lag_p99_ms(),
         refused=out.lag_p99_ms() > args.max_lag_ms)
     print(f"  {point.line()}", file=sys.stderr, flush=True)
     return point
+
+
+def measure(stack: Stack, setting: Setting, pattern: str, share: float, capacity: float,
+            args: argparse.Namespace, device: Device, path_s: float) -> Point:
+    """One policy's point in one run (one slice)."""
+    piece = run_slice(stack, setting, pattern, share, capacity, args, device, path_s,
+                      round(share * 1000))
+    return point_of(setting, pattern, share, [piece], args)
+
+
+def schedule(settings: list[Setting], slices: int, turn: int) -> list[tuple[int, Setting]]:
+    """One round's runs in order, as (slice, policy): slice by slice, every policy once in
+    each, the order rotated by one from slice to slice, the first rotated by ``turn``."""
+    order: list[tuple[int, Setting]] = []
+    for index in range(slices):
+        first = (turn + index) % len(settings)
+        order += [(index, setting) for setting in settings[first:] + settings[:first]]
+    return order
 
 
 def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, object]:
@@ -230,11 +274,14 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
         for pattern, share in at:
             runs: dict[Setting, list[Point]] = {setting: [] for setting in settings}
             for _ in range(args.repeats):
-                first = turn % len(settings)
-                turn += 1
-                for setting in settings[first:] + settings[:first]:
-                    runs[setting].append(measure(served[setting], setting, pattern, share,
-                                                 capacity, args, device, path_s))
+                slices: dict[Setting, list[Slice]] = {setting: [] for setting in settings}
+                for index, setting in schedule(settings, args.slices, turn):
+                    slices[setting].append(run_slice(
+                        served[setting], setting, pattern, share, capacity, args, device,
+                        path_s, round(share * 1000) + SLICE_SEED * index))
+                turn += args.slices
+                for setting in settings:
+                    runs[setting].append(point_of(setting, pattern, share, slices[setting], args))
             points += [median_run(runs[setting]) for setting in settings]
     labels = [setting.label for setting in settings]
     points.sort(key=lambda p: labels.index(p.setting))  # the report's order: policy by policy
@@ -261,6 +308,9 @@ def main() -> None:
     parser.add_argument("--max-lag-ms", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per pattern and load; a policy's point is its median run")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="a run of each policy at a point is this many slices of "
+                             "--point-s, the policies taking turns slice by slice, pooled")
     parser.add_argument("--out", type=Path, default=base.ROOT / "bench" / "RESULTS-batching.md")
     args = parser.parse_args()
     started_at = datetime.now(UTC)

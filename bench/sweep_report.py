@@ -145,6 +145,11 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
            "goodput among those whose generator kept up, with every run's goodput beside it: "
            "so the best fixed window is the best of the windows' medians, not the luckiest of "
            "their single runs"] if args.repeats > 1 else []),
+        *([f"- slices: each run of a policy at a point is {args.slices} slices of "
+           f"{args.warmup_s:g} s warm-up and {args.point_s:g} s measured, the policies taking "
+           "turns slice by slice (order rotated), every policy given the same arrivals in its "
+           "k-th slice; the slices' requests are pooled into one point, so every policy meets "
+           "the same drift of the host's speed"] if args.slices > 1 else []),
         "- simulator: bench.scheduler_sim.run_loop with the same send times, a device with the "
         "whole-path batch time the adaptive policy learned on the real stack, the same policy, "
         "and the fixed path outside the worker (c=1 latency − t(1)) added to each answer", "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 
-from bench.open_loop import on_off, poisson, run
+from bench.open_loop import Outcome, on_off, poisson, pooled, run
 
 
 def test_poisson_has_the_rate_and_stays_in_the_window() -> None:
@@ -65,3 +65,14 @@ def test_a_slow_server_shows_as_extra_connections_not_lost_requests() -> None:
         assert out.count(503) == out.sent and out.lost == 0
 
     asyncio.run(main())
+
+
+def test_pooled_runs_keep_every_request() -> None:
+    one = Outcome(latencies_ms=[1.0, 60.0], statuses=[200, 200], lost=1, sent=3,
+                  lag_ms=[0.1], cpu_share=0.1, extra_connections=1)
+    two = Outcome(latencies_ms=[2.0], statuses=[504], sent=1, lag_ms=[9.0], cpu_share=0.3)
+    both = pooled([one, two])
+    assert both.statuses == [200, 200, 504] and both.latencies_ms == [1.0, 60.0, 2.0]
+    assert (both.sent, both.lost, both.extra_connections) == (4, 1, 1)
+    assert both.good(50.0) == 1 and both.lag_ms == [0.1, 9.0]
+    assert abs(both.cpu_share - 0.2) < 1e-9
