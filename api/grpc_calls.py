@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
@@ -71,6 +72,10 @@ QUIET_SINCE: ContextVar[float | None] = ContextVar("conveyor_grpc_quiet_since", 
 """In a call's task, when its connection last had no stream open (None: its first stream):
 the call's request came after it, which bounds how long it waited unread (api/overload.py);
 the behaviour's signature is grpc.aio's, so it travels beside it."""
+RECEIVED_AT: ContextVar[float | None] = ContextVar("conveyor_grpc_received_at", default=None)
+"""In a unary call's task, the ``time.perf_counter()`` at which its headers were read: the
+request's clock starts there, not when its task first runs (api/http_guard.py
+``RECEIVED_AT``). None in a streaming call's, whose messages come one by one."""
 
 
 def status_block(code: int, message: str, head: bool) -> bytes:
@@ -116,6 +121,7 @@ class GrpcCall:
         "_held",
         "_id",
         "_method",
+        "_opened",
         "_queue",
         "_refusal",
         "_task",
@@ -125,6 +131,7 @@ class GrpcCall:
 
     def __init__(self, env: CallEnv, conn: H2Connection, stream_id: int,
                  headers: list[tuple[str, str]]) -> None:
+        self._opened = time.perf_counter()
         self._env, self._conn, self._id = env, conn, stream_id
         self._held = h2.Pending(5)
         self._queue: asyncio.Queue[Message | None] | None = None
@@ -277,6 +284,7 @@ class GrpcCall:
         assert method is not None
         context = CONTEXT
         QUIET_SINCE.set(self._conn.quiet_since)  # this task's own context
+        RECEIVED_AT.set(None if request is None else self._opened)
         argument = self._requests() if request is None else request
         try:
             async with asyncio.timeout_at(self._deadline):

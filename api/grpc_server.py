@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from api import grpc_listener
-from api.grpc_calls import QUIET_SINCE
+from api.grpc_calls import QUIET_SINCE, RECEIVED_AT
 from api.grpc_codec import infer_response, parameters, parse_request
 from api.kserve import InferRequest, Vet
 from api.periodic import Periodic
@@ -104,7 +104,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return from_json(metadata(config), pb.ModelMetadataResponse())
 
     async def _infer(self, request: pb.ModelInferRequest, protocol: str) -> pb.ModelInferResponse:
-        started = time.perf_counter()
+        started = RECEIVED_AT.get() or time.perf_counter()
 
         async def parse(config: ModelConfig, vet: Vet) -> InferRequest:
             return parse_request(request, config)  # decoded already: the service checks it

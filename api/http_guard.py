@@ -10,7 +10,8 @@ The header and keep-alive deadlines share one timer per connection (uvicorn sets
 cancels two per request); a body timer is set only for a body still to come once the
 bytes that held its headers are parsed.
 
-Each request's uvicorn cycle is in its scope (:data:`api.http_direct.CYCLE`), for the
+Each request's scope says when its first bytes were read (:data:`RECEIVED_AT`), where its
+clock starts. Each request's uvicorn cycle is in its scope (:data:`api.http_direct.CYCLE`), for the
 infer route to take a body that has all arrived and to write its answer in one piece.
 
 A client that hangs up before its response is complete is told to the application: the
@@ -55,6 +56,12 @@ WARN_EVERY_S = 60.0
 DISCONNECT_HOOK = "conveyor.on_disconnect"
 """Scope key of a function (no arguments) to call when the client hangs up before the
 response to that request is complete."""
+RECEIVED_AT = "conveyor.received_at"
+"""Scope key of the ``time.perf_counter()`` at which the bytes that began the request were
+read from its socket: the request's clock starts there (its timeout, its duration), not
+when its task first runs. Under load the two are apart by the loop's turn (every request
+read in the same turn is parsed before any of them runs) and, for a pipelined request, by
+the requests before it on its connection."""
 QUIET_SINCE = "conveyor.quiet_since"
 """Scope key of the ``time.perf_counter()`` at which every request the connection had sent
 was answered, the last time it was so. The request's bytes arrived after it, so it bounds
@@ -110,6 +117,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Requests whose response is complete."""
         self._quiet_since: float | None = None
         """When the connection last had no request in hand (:data:`QUIET_SINCE`)."""
+        self._read_at = 0.0
+        """When the bytes being parsed were read (``time.perf_counter()``)."""
+        self._began_at = 0.0
+        """When the bytes that began the current request were read (:data:`RECEIVED_AT`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         full = len(self.connections) >= self.limits.max_connections
@@ -138,6 +149,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._chunked = self._sized = False
         self._idle = False  # a byte of the next request: keep-alive no longer applies
+        self._began_at = self._read_at
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -167,6 +179,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         framed_twice = self._chunked and self._sized
         if framed_twice:  # the body is chunked: its Content-Length means nothing
             self.headers[:] = [(n, v) for n, v in self.headers if n != b"content-length"]
+        self.scope[RECEIVED_AT] = self._began_at  # type: ignore[literal-required]
         if self._quiet_since is not None:
             self.scope[QUIET_SINCE] = self._quiet_since  # type: ignore[literal-required]
         super().on_headers_complete()
@@ -189,6 +202,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # Request life ---------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        self._read_at = time.perf_counter()
         super().data_received(data)
         cycle = self.cycle
         # The running request's body, still to come once these bytes are parsed, must come

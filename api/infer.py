@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from api.binary import compress, raw_input
 from api.body import content_length, drain, inflate, read_body
 from api.http_direct import cycle_of, ready_body, write_response
-from api.http_guard import DISCONNECT_HOOK, QUIET_SINCE
+from api.http_guard import DISCONNECT_HOOK, QUIET_SINCE, RECEIVED_AT
 from api.kserve import InferRequest, Vet, parse_header, render
 from api.service import InferenceService
 from batching.config import ModelConfig
@@ -62,7 +62,7 @@ class InferRoute:
 
     async def _infer(self, model: str, version: str, scope: Scope, receive: Receive,
                      send: Send) -> None:
-        started = time.perf_counter()
+        started = scope.get(RECEIVED_AT) or time.perf_counter()
         headers: dict[bytes, bytes] = dict(scope["headers"])
         header_length = headers.get(HEADER_LENGTH)
         protocol = "http_json" if header_length is None else "http_binary"

@@ -72,11 +72,13 @@ PROBE_S = 0.01
 """While refusing, one request of each model still goes through every this often, so that
 the time requests take stays measured: judged by the last ones that were served, without
 new ones, a refusal would never end."""
-UNREAD_TURNS = 2.0
-"""Loop turns a request waits, unseen, before the API reads it and starts its clock (the
-socket's turn, then the request task's): the unseen wait is about this many times the lag.
-Measured: on a saturated 2-core host the refused requests' own latency was 2-3 times the
-smoothed lag."""
+UNREAD_TURNS = 1.0
+"""Loop turns a request waits, unseen, before the API reads its bytes and starts its clock
+(the socket's turn): the unseen wait is about this many times the lag. The request task's
+turn, after the read, is on the request's clock (api/http_guard.py ``RECEIVED_AT``), so in
+``took_s`` too. Measured before the clock started at the read, when both turns were unseen:
+on a saturated 2-core host the refused requests' own latency was 2-3 times the smoothed
+lag."""
 REFUSALS_PER_ANSWER = 4.0
 """Refusals of requests on connections answered before, per request answered: clients
 retrying at once cannot keep the process refusing. A budget of 1 on every request was too

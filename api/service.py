@@ -20,7 +20,13 @@ from api.overload import Overload
 from api.shared_memory import Binding, SharedMemory, not_found
 from batching.config import ModelConfig
 from batching.envelope import PATH, VERSION, WHOLE, Reply, Request
-from batching.errors import ConveyorError, InvalidInput, Unavailable, from_code
+from batching.errors import (
+    ConveyorError,
+    DeadlineExceeded,
+    InvalidInput,
+    Unavailable,
+    from_code,
+)
 from batching.keys import Keys
 from batching.names import (
     no_available_versions,
@@ -84,6 +90,8 @@ class InferenceService:
                     quiet_since: float | None = None) -> tuple[InferRequest, Reply]:
         """Parse, validate and run one request through Redis and a worker.
 
+        ``started``: the ``time.perf_counter()`` at which the request was read, where its
+        timeout starts (its first bytes' read, when the listener says: api/http_guard.py).
         ``parse`` runs only once the model is known, so an unknown model is answered
         before a body is read. It calls the :data:`Vet` it is given with the request's
         parameters before it decodes the tensors, when it can: an overloaded process then
@@ -130,10 +138,15 @@ class InferenceService:
             if parsed.shm_inputs or parsed.shm_outputs:  # one test on the hot path
                 regions = await self._bind(parsed, model)
             now_ms = time.time() * 1000.0  # to the µs: queue times are a fraction of a ms
+            # The timeout counts from when the request was read (``started``), as Triton's.
+            left_ms = timeout_ms - (time.perf_counter() - started) * 1000.0
+            if left_ms <= 0.0:
+                raise DeadlineExceeded(f"the request's deadline passed before it could be "
+                                       f"queued (its timeout: {timeout_ms:g} ms)")
             request = Request(
                 id=self.dispatcher.new_id(),
                 reply=self.dispatcher.reply_key,
-                deadline_ms=int(now_ms + timeout_ms),
+                deadline_ms=int(now_ms + left_ms),
                 enq_ms=now_ms,
                 prio=priority,
                 inputs=parsed.inputs,
@@ -147,7 +160,7 @@ class InferenceService:
                 request.params[PATH] = reserve
             admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
                                   parsed.rows, config.queue.max_queue_rows, model)
-            reply = await self.dispatcher.submit(admission, request, timeout_ms / 1000.0)
+            reply = await self.dispatcher.submit(admission, request, left_ms / 1000.0)
             if not reply.ok:
                 raise from_code(reply.error_code, reply.error)
             if regions is not None:

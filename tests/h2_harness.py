@@ -23,7 +23,7 @@ from grpc import StatusCode as Code
 
 from api import h2_codec as h2
 from api.auth import Guard, KeyStore
-from api.grpc_calls import QUIET_SINCE, CallEnv, Context, GrpcCall, Method
+from api.grpc_calls import QUIET_SINCE, RECEIVED_AT, CallEnv, Context, GrpcCall, Method
 from api.h2_connection import H2Connection, Limits, StreamSink
 
 P = ParamSpec("P")
@@ -32,6 +32,8 @@ WAIT_S = 10.0
 ECHO, HOLD, CHAT = "/test.Svc/Echo", "/test.Svc/Hold", "/test.Svc/Chat"
 QUIET = "/test.Svc/Quiet"
 """Answers how long ago its connection last had no stream open (b"none": never)."""
+RECEIVED = "/test.Svc/Received"
+"""Answers how long ago its call's clock started (b"none": no clock)."""
 INFER = "/inference.GRPCInferenceService/ModelInfer"  # needs the infer scope (api.auth_grpc)
 CODES = {code.value[0]: code for code in Code}
 
@@ -46,7 +48,8 @@ class Server:
 
     def __init__(self, guard: Guard, max_message: int, conn_limits: Limits) -> None:
         unary = {ECHO: self.echo, "/test.Svc/Expand": self.expand, HOLD: self.hold,
-                 "/test.Svc/Boom": self.boom, INFER: self.echo, QUIET: self.quiet}
+                 "/test.Svc/Boom": self.boom, INFER: self.echo, QUIET: self.quiet,
+                 RECEIVED: self.received}
         methods = {path: Method(BytesValue, fn, False, False) for path, fn in unary.items()}
         methods[CHAT] = Method(BytesValue, self.chat, True, True)
         self.env = CallEnv(methods, guard, max_message)
@@ -74,6 +77,11 @@ class Server:
         since = QUIET_SINCE.get()
         return BytesValue(value=b"none" if since is None else
                           repr(time.perf_counter() - since).encode())
+
+    async def received(self, request: BytesValue, context: Context) -> BytesValue:
+        at = RECEIVED_AT.get()
+        return BytesValue(value=b"none" if at is None else
+                          repr(time.perf_counter() - at).encode())
 
     async def expand(self, request: BytesValue, context: Context) -> BytesValue:
         return BytesValue(value=request.value * 10)
