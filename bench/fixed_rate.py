@@ -1,9 +1,11 @@
 """Open-loop points at fixed offered rates, with what every request got.
 
 ``python -m bench.fixed_rate mlp_medium 1500,2000,2500`` starts the stack as
-:mod:`bench.sweep` does (one per run), sends Poisson arrivals at each rate (1 s warm-up,
-then ``--seconds`` measured, ``parameters.timeout`` = ``--target-ms``) and prints the
-goodput (200s within the target, per second) and the count of each status. Where the
+:mod:`bench.sweep` does (one per run), sends Poisson (or ``--arrivals on-off``) arrivals at
+each rate, ``--rounds`` times (1 s warm-up, then ``--seconds`` measured,
+``parameters.timeout`` = ``--target-ms``; round ``k`` draws its arrivals from ``--seed`` +
+``k``, by default the rate) and prints the goodput (200s within the target, per second),
+the count of each status and the 200s that came after the target. Where the
 sweep takes shares of a capacity it measures once, this takes absolute rates: on a host
 whose speed drifts, alternate runs of two variants at the same rates compare them.
 """
@@ -29,6 +31,10 @@ def main() -> None:
                         help="a fixed window (max_queue_delay_us) instead of the adaptive policy")
     parser.add_argument("--intra-op", type=int, default=None,
                         help="cpu_threads.intra_op of the model (default: derived from the cores)")
+    parser.add_argument("--arrivals", choices=sorted(sweep.ARRIVALS), default="poisson")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each rate")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="of the first round's arrivals (default: the rate)")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--target-ms", type=float, default=50.0)
     args = parser.parse_args()
@@ -49,12 +55,17 @@ def run(args: argparse.Namespace, work: Path) -> None:
     with sweep.conveyor(args.model, repo, work, body) as stack:
         sweep.closed_rps(stack, 64, 2.0)
         for rate in args.rates:
-            times = sweep.ARRIVALS["poisson"](rate, 1.0 + args.seconds, int(rate))
-            out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
-            statuses = dict(sorted(collections.Counter(out.statuses).items()))
-            print(f"{setting.label} {rate:.0f} req/s: goodput "
-                  f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses {statuses}, "
-                  f"lost {out.lost}, send lag p99 {out.lag_p99_ms():.1f} ms", flush=True)
+            for k in range(args.rounds):
+                seed = (int(rate) if args.seed is None else args.seed) + k
+                times = sweep.ARRIVALS[args.arrivals](rate, 1.0 + args.seconds, seed)
+                out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
+                statuses = dict(sorted(collections.Counter(out.statuses).items()))
+                late = sum(1 for status, ms in zip(out.statuses, out.latencies_ms, strict=True)
+                           if status == 200 and ms > args.target_ms)
+                print(f"{setting.label} {args.arrivals} {rate:.0f} req/s: goodput "
+                      f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses "
+                      f"{statuses}, late 200s {late}, lost {out.lost}, "
+                      f"send lag p99 {out.lag_p99_ms():.1f} ms", flush=True)
 
 
 if __name__ == "__main__":
