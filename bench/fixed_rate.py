@@ -64,7 +64,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
                            if status == 200 and ms > args.target_ms)
                 print(f"{setting.label} {args.arrivals} {rate:.0f} req/s: goodput "
                       f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses "
-                      f"{statuses}, late 200s {late}, lost {out.lost}, "
+                      f"{statuses}, late 200s {late}, lost {out.lost}, new connections "
+                      f"{out.extra_connections}, "
                       f"send lag p99 {out.lag_p99_ms():.1f} ms", flush=True)
 
 

@@ -143,6 +143,9 @@ async def run(host: str, port: int, path: str, body: bytes, send_times: Sequence
     all_done = asyncio.Event()
     finished_sending = False
 
+    connecting = waiting = 0
+    """Requests waiting for a connection of their own to open; those of them counted."""
+
     def answered(conn: _Connection, status: int, scheduled: float) -> None:
         counted = outstanding.pop(conn, None)
         if counted is None:
@@ -154,14 +157,37 @@ async def run(host: str, port: int, path: str, body: bytes, send_times: Sequence
                 out.statuses.append(status)
                 out.latencies_ms.append((time.perf_counter() - scheduled) * 1e3)
             idle.append(conn)
-        if finished_sending and not outstanding:
+        settled()
+
+    def settled() -> None:
+        if finished_sending and not outstanding and not connecting:
             all_done.set()
 
     async def connect() -> _Connection:
         _, protocol = await loop.create_connection(lambda: _Connection(answered), host, port)
         return protocol
 
+    async def send_on_new(scheduled: float, counted: bool) -> None:
+        """Every connection busy: this request goes on a new one, opened beside the loop
+        that sends the rest on time (a slow accept delays this request, timed from its
+        schedule, not the ones after it)."""
+        nonlocal connecting, waiting
+        connecting += 1
+        waiting += counted
+        try:
+            conn = await connect()
+        except OSError:
+            out.lost += counted
+        else:
+            outstanding[conn] = counted
+            conn.send(request, scheduled)
+        finally:
+            connecting -= 1
+            waiting -= counted
+            settled()
+
     idle.extend(await asyncio.gather(*(connect() for _ in range(connections))))
+    opening: set[asyncio.Task[None]] = set()
     cpu0, start = time.process_time(), time.perf_counter()
     for offset in send_times:
         scheduled = start + offset
@@ -170,23 +196,26 @@ async def run(host: str, port: int, path: str, body: bytes, send_times: Sequence
             await asyncio.sleep(delay)
         while idle and idle[0].closed:
             idle.popleft()
-        if idle:
-            conn = idle.popleft()
-        else:
-            conn = await connect()
-            out.extra_connections += 1
         counted = offset >= warmup_s
         out.sent += counted
         if counted:
             out.lag_ms.append(max(0.0, time.perf_counter() - scheduled) * 1e3)
-        outstanding[conn] = counted
-        conn.send(request, scheduled)
+        if idle:
+            conn = idle.popleft()
+            outstanding[conn] = counted
+            conn.send(request, scheduled)
+        else:
+            out.extra_connections += 1
+            opening.add(task := loop.create_task(send_on_new(scheduled, counted)))
+            task.add_done_callback(opening.discard)
     finished_sending = True
-    if outstanding:
+    if outstanding or connecting:
         try:
             await asyncio.wait_for(all_done.wait(), drain_s)
         except TimeoutError:
-            out.lost += sum(outstanding.values())
+            out.lost += sum(outstanding.values()) + waiting  # those still connecting too
+            for task in opening:
+                task.cancel()
     wall = time.perf_counter() - start
     out.cpu_share = (time.process_time() - cpu0) / wall if wall > 0 else 0.0
     for conn in [*idle, *outstanding]:

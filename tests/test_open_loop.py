@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from typing import Any
 
 from bench.open_loop import Outcome, on_off, poisson, pooled, run
 
@@ -63,6 +64,34 @@ def test_a_slow_server_shows_as_extra_connections_not_lost_requests() -> None:
             out = await run("127.0.0.1", port, "/x", b"{}", poisson(200.0, 0.5, seed=2), 2)
         assert out.extra_connections > 0
         assert out.count(503) == out.sent and out.lost == 0
+
+    asyncio.run(main())
+
+
+def test_a_slow_new_connection_delays_its_own_request_not_the_ones_after_it() -> None:
+    """Past the connections opened in advance, a request goes on a new one; opening it may
+    take a while (a SYN retransmitted after a full accept queue: 1 s). The sends after it
+    stay on time, and its own latency counts the wait from its schedule."""
+    async def main() -> None:
+        server, port = await _serve(0.1)
+        loop = asyncio.get_running_loop()
+        real = loop.create_connection
+        opened = 0
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            nonlocal opened
+            opened += 1
+            if opened > 2:  # the two opened in advance are quick
+                await asyncio.sleep(0.3)
+            return await real(*args, **kwargs)
+
+        loop.create_connection = slow  # type: ignore[method-assign]
+        async with server:
+            out = await run("127.0.0.1", port, "/x", b"{}", poisson(100.0, 1.0, seed=4), 2)
+        assert out.extra_connections > 0
+        assert out.count(200) == out.sent and out.lost == 0
+        assert out.lag_p99_ms() < 100.0, out.lag_p99_ms()
+        assert max(out.latencies_ms) >= 300.0
 
     asyncio.run(main())
 
