@@ -134,7 +134,8 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         f"adaptive, latency_target_ms: {args.target_ms:g}}}` (adaptive: max_queue_delay_us 20000, "
         "a bound, not a wait; the device model's also declares its tensors: "
         "bench/device_model.py, a batch of n rows sleeps 8 ms + 0.5 ms·n)",
-        f"- load: bench.open_loop, keep-alive HTTP/1.1 connections opened in advance, one JSON "
+        f"- load: bench.open_loop, keep-alive HTTP/1.1 connections opened in advance (a request "
+        "that finds all busy opens one more, beside the send loop), one JSON "
         f"request (one row) encoded once, `parameters.timeout` = {args.target_ms:g} ms; "
         f"{args.warmup_s:g} s warm-up then {args.point_s:g} s measured per point; latency from the "
         f"scheduled send time; goodput = 200s within {args.target_ms:g} ms per second; a point whose "
