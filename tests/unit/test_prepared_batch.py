@@ -59,7 +59,9 @@ def test_a_full_next_batch_is_stacked_while_the_model_runs() -> None:
     run_until_idle(loop)
     assert model.batches == [ROWS] * 3 and model.ran_stacked == [True] * 3
     loop_thread = threading.current_thread().name
-    assert [thread for _, thread in model.stacked] == ["model-sleepy", loop_thread, loop_thread]
+    # The first batch is stacked by whichever thread starts it (a race of no consequence);
+    # the two after it, while the model runs, on the loop's.
+    assert [thread for _, thread in model.stacked][1:] == [loop_thread, loop_thread]
     for i in (1, 2):  # stacked before the batch ahead of it had left the model
         assert model.stacked[i][0] < model.starts[i - 1] + model.slept[i - 1]
     got = replies(streams)
