@@ -119,8 +119,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """When the connection last had no request in hand (:data:`QUIET_SINCE`)."""
         self._read_at = 0.0
         """When the bytes being parsed were read (``time.perf_counter()``)."""
-        self._began_at = 0.0
-        """When the bytes that began the current request were read (:data:`RECEIVED_AT`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         full = len(self.connections) >= self.limits.max_connections
@@ -149,8 +147,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._chunked = self._sized = False
         self._idle = False  # a byte of the next request: keep-alive no longer applies
-        self._began_at = self._read_at
-        super().on_message_begin()
+        super().on_message_begin()  # the request's scope: its clock starts with these bytes
+        self.scope[RECEIVED_AT] = self._read_at  # type: ignore[literal-required]
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
@@ -179,7 +177,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         framed_twice = self._chunked and self._sized
         if framed_twice:  # the body is chunked: its Content-Length means nothing
             self.headers[:] = [(n, v) for n, v in self.headers if n != b"content-length"]
-        self.scope[RECEIVED_AT] = self._began_at  # type: ignore[literal-required]
         if self._quiet_since is not None:
             self.scope[QUIET_SINCE] = self._quiet_since  # type: ignore[literal-required]
         super().on_headers_complete()

@@ -60,8 +60,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
                 times = sweep.ARRIVALS[args.arrivals](rate, 1.0 + args.seconds, seed)
                 out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
                 statuses = dict(sorted(collections.Counter(out.statuses).items()))
-                late = sum(1 for status, ms in zip(out.statuses, out.latencies_ms, strict=True)
-                           if status == 200 and ms > args.target_ms)
+                late = out.count(200) - out.good(args.target_ms)
                 print(f"{setting.label} {args.arrivals} {rate:.0f} req/s: goodput "
                       f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses "
                       f"{statuses}, late 200s {late}, lost {out.lost}, new connections "
