@@ -37,18 +37,21 @@ MIB = 1024 * KIB
 
 
 class EchoDispatcher:
-    """Answers every request at once with its input renamed ``y``."""
+    """Answers every request at once with its input renamed ``y``; keeps each request and
+    the wait it was given."""
 
     reply_key = "replies"
 
     def __init__(self) -> None:
         self.submitted: list[Request] = []
+        self.waits: list[float] = []
 
     def new_id(self) -> str:
         return f"r{len(self.submitted)}"
 
     async def submit(self, admission: Any, request: Request, timeout_s: float) -> Reply:
         self.submitted.append(request)
+        self.waits.append(timeout_s)
         x = request.inputs[0]
         return Reply(request.id, [Tensor("y", x.datatype, x.shape, x.raw)])
 
@@ -85,15 +88,16 @@ class Call:
 
 async def call(route: InferRoute, chunks: list[bytes], headers: dict[str, str] | None = None,
                model: str = "m", declare: bool = True,
-               wait: Callable[[int], Awaitable[None]] | None = None) -> Call:
+               wait: Callable[[int], Awaitable[None]] | None = None,
+               scope_extra: dict[str, Any] | None = None) -> Call:
     """POST ``chunks`` as one body; ``declare``: send Content-Length; ``wait(i)`` is
-    awaited before chunk ``i`` is handed over."""
+    awaited before chunk ``i`` is handed over; ``scope_extra``: more keys of the scope."""
     result = Call()
     raw_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     if declare:
         raw_headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
     scope = {"type": "http", "method": "POST", "path": f"/v2/models/{model}/infer",
-             "headers": raw_headers}
+             "headers": raw_headers, **(scope_extra or {})}
 
     async def receive() -> dict[str, Any]:
         i = result.chunks_read

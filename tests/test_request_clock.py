@@ -9,24 +9,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import MutableMapping
 from typing import Any
 
-import orjson
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpc import StatusCode as Code
 
 from api import h2_codec as h2
-from api.body import BodyLimits
 from api.http_guard import RECEIVED_AT, ConnectionLimits
-from api.infer import InferRoute
-from api.metrics import ApiMetrics
-from api.service import InferenceService
-from batching.envelope import Reply, Request, Tensor
-from batching.keys import Keys
 from tests.guarded_server import guarded_server, responses
 from tests.h2_harness import RECEIVED, Raw, grpc_message, run, serve
-from tests.test_body import CONFIG, AllServed, fallback, request_body
+from tests.test_body import Call, EchoDispatcher, call, make_route, request_body
 
 HELD_S = 0.3
 """How long the first of two pipelined requests is held before its answer."""
@@ -71,57 +63,22 @@ async def test_a_grpc_call_s_clock_starts_when_its_headers_were_read() -> None:
     assert float(BytesValue.FromString(body[5:]).value) >= HELD_S
 
 
-class RecordingDispatcher:
-    """Answers every request at once; keeps each request and the wait it was given."""
-
-    reply_key = "replies"
-
-    def __init__(self) -> None:
-        self.submitted: list[tuple[Request, float]] = []
-
-    def new_id(self) -> str:
-        return f"r{len(self.submitted)}"
-
-    async def submit(self, admission: Any, request: Request, timeout_s: float) -> Reply:
-        self.submitted.append((request, timeout_s))
-        x = request.inputs[0]
-        return Reply(request.id, [Tensor("y", x.datatype, x.shape, x.raw)])
-
-
-async def infer_read_ago(seconds: float, timeout_ms: int
-                         ) -> tuple[int, bytes, RecordingDispatcher]:
+async def infer_read_ago(seconds: float, timeout_ms: int) -> tuple[Call, EchoDispatcher]:
     """A request with ``parameters.timeout`` of ``timeout_ms`` whose bytes were read
-    ``seconds`` before its task ran: its status and body, and what the dispatcher was
+    ``seconds`` before its task ran: what it was answered, and what the dispatcher was
     given."""
-    dispatcher = RecordingDispatcher()
-    service = InferenceService({"m": CONFIG}, dispatcher, AllServed(), Keys("t"),  # type: ignore[arg-type]
-                               ApiMetrics(), BodyLimits(1 << 20, 1 << 16, 2))
+    route, dispatcher = make_route()
     body = request_body(parameters={"timeout": timeout_ms * 1000})
-    scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer",
-             "headers": [(b"content-length", str(len(body)).encode())],
-             RECEIVED_AT: time.perf_counter() - seconds}
-    status, answer = 0, b""
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        nonlocal status, answer
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        else:
-            answer += message.get("body", b"")
-
-    await InferRoute(fallback, service)(scope, receive, send)
-    return status, answer, dispatcher
+    answer = await call(route, [body], scope_extra={RECEIVED_AT: time.perf_counter() - seconds})
+    return answer, dispatcher
 
 
 def test_the_deadline_a_worker_sees_counts_from_when_the_request_was_read() -> None:
     before_ms = time.time() * 1000.0
-    status, _, dispatcher = asyncio.run(infer_read_ago(0.3, 1000))
+    answer, dispatcher = asyncio.run(infer_read_ago(0.3, 1000))
     after_ms = time.time() * 1000.0
-    assert status == 200
-    [(request, wait_s)] = dispatcher.submitted
+    assert answer.status == 200
+    [request], [wait_s] = dispatcher.submitted, dispatcher.waits
     # its bytes were read 300 ms before a moment between before_ms and after_ms, so its
     # deadline is 700 ms after that moment, however long the host took to get there
     assert before_ms + 700 - 1 <= request.deadline_ms <= after_ms + 700
@@ -130,8 +87,8 @@ def test_the_deadline_a_worker_sees_counts_from_when_the_request_was_read() -> N
 
 
 def test_a_request_whose_timeout_passed_before_it_was_queued_is_504_and_never_queued() -> None:
-    status, answer, dispatcher = asyncio.run(infer_read_ago(0.3, 100))
-    assert status == 504
+    answer, dispatcher = asyncio.run(infer_read_ago(0.3, 100))
+    assert answer.status == 504
     assert "deadline passed before it could be queued (its timeout: 100 ms)" in \
-        orjson.loads(answer)["error"]
+        answer.json()["error"]
     assert dispatcher.submitted == []
