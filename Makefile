@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test test-unit test-gpu test-multihost check chaos fuzz bench deps clean
+.PHONY: run test test-unit test-gpu test-multihost check chaos fuzz bench deps tools clean
 
 $(VENV)/.installed: pyproject.toml
 	@command -v redis-server >/dev/null || $(MAKE) deps
@@ -13,15 +13,21 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 DEBIAN_PACKAGES := redis-server wrk nghttp2-client prometheus docker-compose chromium
+TOOLS := redis-server wrk h2load promtool docker-compose chromium
 
 deps:  ## Debian packages: redis-server; wrk and h2load (the benchmark, `conveyor bench`); promtool, docker-compose and chromium (the tests of the alert rules, the compose file and Flower's pages)
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -yq --no-install-recommends $(DEBIAN_PACKAGES); \
 	else sudo apt-get update -q && sudo apt-get install -yq --no-install-recommends $(DEBIAN_PACKAGES); fi
 
+tools:  ## `make deps` when any tool the tests use is missing; if it fails, the tests that need that tool skip
+	@missing=""; for tool in $(TOOLS); do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then echo "not installed:$$missing; installing them (make deps)"; \
+	$(MAKE) deps || echo "make deps failed: the tests that need$$missing skip"; fi
+
 run: $(VENV)/.installed
 	$(VENV)/bin/conveyor run
 
-test: $(VENV)/.installed  ## everything: the suite on two cores, then the timing-sensitive tests alone
+test: $(VENV)/.installed tools  ## everything: the suite on two cores, then the timing-sensitive tests alone
 	$(PY) -m pytest -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest -n 0 -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -10,6 +10,10 @@ Which blocks run:
   reader of the source does; it is reported as skipped with that reason.
 - A console example whose output differs on every run (counts, host names) is preceded
   by ``<!-- output not checked: why -->``: its commands run, its output is not compared.
+- An example that runs a command needing a tool outside the venv (``conveyor bench`` needs
+  wrk; ``NEEDS`` lists them) is skipped, with the tool named, where that tool is not on
+  the ``PATH``: ``make test`` installs them (``make deps``), and a machine that cannot
+  have one skips its examples instead of failing them.
 
 How they run: the examples of one page in page order, in one temporary folder that stands
 in for the checkout's root (``models`` links to the bundled models, which the examples
@@ -35,6 +39,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -57,6 +62,9 @@ HEREDOC = re.compile(r"<<-?\s*(['\"]?)(?P<end>\w+)\1")
 DOCS_ADDRESS = "localhost:8000"
 MARK = "@@docs-example-command@@"
 TIMEOUT_S = 120
+NEEDS = (("conveyor bench", "wrk"), ("--protocol grpc", "h2load"), ("promtool ", "promtool"),
+         ("docker-compose ", "docker-compose"))
+"""(text in an example, the tool it needs on the ``PATH``)."""
 
 
 @dataclass
@@ -79,6 +87,12 @@ class Example:
     def not_run(self) -> str | None:
         """Why the example does not run, or None when it does."""
         return self.marker["why"] if self.marker and self.marker["kind"] == "not run" else None
+
+    @property
+    def missing_tools(self) -> list[str]:
+        """The tools of ``NEEDS`` this example runs and this machine's ``PATH`` lacks."""
+        return sorted({tool for text, tool in NEEDS
+                       if text in self.body and shutil.which(tool) is None})
 
     @property
     def output_checked(self) -> bool:
@@ -230,11 +244,17 @@ def environment(stack: Stack) -> dict[str, str]:
 EXAMPLES = examples()
 
 
+def skip_marks(example: Example) -> list[pytest.MarkDecorator]:
+    if example.not_run is not None:
+        return [pytest.mark.skip(reason=f"{example.name} not run: {example.not_run}")]
+    if example.missing_tools:
+        return [pytest.mark.skip(reason=f"{example.name} needs {', '.join(example.missing_tools)}, "
+                                        "which is not installed (make deps)")]
+    return []
+
+
 @pytest.mark.parametrize("example", [
-    pytest.param(example, id=example.name,
-                 marks=[pytest.mark.skip(reason=f"{example.name} not run: {example.not_run}")]
-                 if example.not_run is not None else [])
-    for example in EXAMPLES])
+    pytest.param(example, id=example.name, marks=skip_marks(example)) for example in EXAMPLES])
 def test_example_runs_as_written(example: Example, docs_stack: Stack,
                                  page_folders: Callable[[Path], Path]) -> None:
     commands: list[Command] = []
@@ -271,3 +291,17 @@ def test_every_marker_stands_before_an_example_and_says_why() -> None:
                 stray.append(f"{path.relative_to(ROOT)}:{number + 1}: {line.strip()}")
     assert stray == [], "a marker without a reason, or not right before an example it fits"
     assert sum(example.not_run is None for example in EXAMPLES) >= 5
+
+
+def test_an_example_whose_tool_is_missing_is_skipped_with_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    example = Example(ROOT / "docs" / "benchmarking.md", 1, "console",
+                      "$ conveyor bench digits --protocol grpc\n", None)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert example.missing_tools == ["h2load", "wrk"]
+    (mark,) = skip_marks(example)
+    assert "needs h2load, wrk" in mark.kwargs["reason"]
+    for tool in ("wrk", "h2load"):
+        (tmp_path / tool).write_text("#!/bin/sh\n")
+        (tmp_path / tool).chmod(0o755)
+    assert example.missing_tools == [] and skip_marks(example) == []
