@@ -1,11 +1,11 @@
 """One HTTP/2 connection (RFC 9113, server side) as an asyncio protocol, for the native
 gRPC listener (:mod:`api.grpc_native`).
 
-It frames, keeps both directions' flow-control windows and the peer's header table,
-answers PING and SETTINGS, and hands each stream to the application: ``open_stream``
-when its headers arrive, then the stream's :class:`StreamSink` gets its data and, if the
-peer resets it or the connection drops, ``reset``. What the application writes in one
-event-loop tick leaves in one ``write``.
+It frames, keeps the peer's header table and both directions' flow-control windows
+(:mod:`api.h2_flow`), answers PING and SETTINGS, and hands each stream to the
+application: ``open_stream`` when its headers arrive, then the stream's
+:class:`StreamSink` gets its data and, if the peer resets it or the connection drops,
+``reset``. What the application writes in one event-loop tick leaves in one ``write``.
 
 Bounds: a frame is at most ``MAX_FRAME_SIZE``; a header list ``MAX_HEADER_LIST_SIZE``;
 ``max_streams`` streams at once (more are refused with REFUSED_STREAM); what a peer
@@ -19,10 +19,10 @@ import asyncio
 import logging
 import struct
 import time
-from collections import deque
 from typing import Protocol, cast
 
 from api import h2_codec as h2
+from api.h2_flow import H2Stream, RecvFlow, SendFlow
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +49,6 @@ class StreamApp(Protocol):
         """A new stream's request headers."""
 
 
-class _Stream:
-    __slots__ = (
-        "pending",
-        "receiving",
-        "recv_credit",
-        "recv_window",
-        "send_window",
-        "sending",
-        "sink",
-    )
-
-    def __init__(self, sink: StreamSink | None, send_window: int, recv_window: int) -> None:
-        self.sink = sink
-        self.send_window = send_window
-        self.recv_window = recv_window
-        self.pending: deque[tuple[int, bytes, bool]] = deque()  # (frame type, payload, end)
-        self.receiving = True
-        self.sending = True
-        self.recv_credit = 0
-
-
 class Limits:
     """What one connection allows its peer, and its timers (seconds)."""
 
@@ -91,17 +70,14 @@ class H2Connection(asyncio.Protocol):
         self._held = h2.Pending(len(h2.PREFACE))
         self._preface = False
         self._decoder = h2.HeaderDecoder(MAX_HEADER_LIST_SIZE)
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, H2Stream] = {}
         self.quiet_since: float | None = None
         """``time.perf_counter()`` when the last stream open was done, the last time none
         was (None: never yet): a new stream's request came after it (api/overload.py)."""
         self._last_id = 0
         self._fragment: tuple[int, int, bytearray] | None = None  # (stream, flags, block)
-        self._send_window = h2.DEFAULT_WINDOW
-        self._recv_window = limits.window
-        self._peer_initial = h2.DEFAULT_WINDOW
-        self._peer_frame = h2.DEFAULT_FRAME_SIZE
-        self._conn_credit = 0
+        self._send = SendFlow(self._queue, self._sent_end)
+        self._recv = RecvFlow(limits.window, self._queue)
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self._closing = False
@@ -181,17 +157,7 @@ class H2Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is None or not stream.sending:
             return
-        size = len(payload)
-        if (not stream.pending and size <= stream.send_window and size <= self._send_window
-                and size <= self._peer_frame):
-            stream.send_window -= size
-            self._send_window -= size
-            self._queue(h2.frame(h2.DATA, h2.END_STREAM if end else 0, stream_id, payload))
-            if end:
-                self._sent_end(stream_id, stream)
-            return
-        stream.pending.append((h2.DATA, payload, end))
-        self._drain(stream_id, stream)
+        self._send.data(stream_id, stream, payload, end)
 
     def reset_stream(self, stream_id: int, code: int) -> None:
         if self.streams.pop(stream_id, None) is not None:
@@ -200,18 +166,7 @@ class H2Connection(asyncio.Protocol):
 
     def credit(self, stream_id: int, size: int) -> None:
         """The application took ``size`` bytes of this stream's data: the peer may send more."""
-        self._conn_credit += size
-        if self._conn_credit >= self._limits.window // 4:
-            self._queue(h2.window_update(0, self._conn_credit))
-            self._recv_window += self._conn_credit
-            self._conn_credit = 0
-        stream = self.streams.get(stream_id)
-        if stream is not None and stream.receiving:
-            stream.recv_credit += size
-            if stream.recv_credit >= self._limits.window // 4:
-                self._queue(h2.window_update(stream_id, stream.recv_credit))
-                stream.recv_window += stream.recv_credit
-                stream.recv_credit = 0
+        self._recv.credit(stream_id, self.streams.get(stream_id), size)
 
     def shut_down(self) -> None:
         """GOAWAY: no new streams; the connection closes once its streams are done."""
@@ -260,7 +215,7 @@ class H2Connection(asyncio.Protocol):
                 self._stream_gone()
         elif kind == h2.SETTINGS:
             if not flags & h2.ACK:
-                self._settings(h2.parse_settings(payload))
+                self._send.settings(h2.parse_settings(payload), self.streams)
                 self._queue(h2.frame(h2.SETTINGS, h2.ACK, 0))
         elif kind == h2.PING:
             if len(payload) != 8:
@@ -270,7 +225,12 @@ class H2Connection(asyncio.Protocol):
             else:
                 self._queue(h2.frame(h2.PING, h2.ACK, 0, payload))
         elif kind == h2.WINDOW_UPDATE:
-            self._window_update(stream_id, int.from_bytes(payload[:4], "big") & 0x7FFFFFFF)
+            increment = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+            stream = self._send.window_update(stream_id, increment, self.streams)
+            if stream is not None:
+                self.reset_stream(stream_id, h2.FLOW_CONTROL_ERROR)
+                if stream.sink is not None:
+                    stream.sink.reset()
         elif kind == h2.GOAWAY:
             self._closing = True
             if not self.streams:
@@ -304,7 +264,7 @@ class H2Connection(asyncio.Protocol):
             self._queue(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
             return
         self._active = self._loop.time()
-        stream = _Stream(None, self._peer_initial, self._limits.window)
+        stream = H2Stream(None, self._send.peer_initial, self._limits.window)
         self.streams[stream_id] = stream
         stream.sink = self._app.open_stream(self, stream_id, headers)
         if end:
@@ -316,9 +276,7 @@ class H2Connection(asyncio.Protocol):
         if stream_id == 0:
             raise h2.ProtocolError("DATA on stream 0")
         size = len(payload)
-        self._recv_window -= size
-        if self._recv_window < 0:
-            raise h2.ProtocolError("DATA beyond the connection window", h2.FLOW_CONTROL_ERROR)
+        self._recv.take(size)
         stream = self.streams.get(stream_id)
         body = self._unpadded(flags, payload)
         if stream is None or not stream.receiving or stream.sink is None:
@@ -340,74 +298,8 @@ class H2Connection(asyncio.Protocol):
         else:
             stream.sink.data(body, False)
 
-    def _settings(self, values: dict[int, int]) -> None:
-        window = values.get(h2.INITIAL_WINDOW_SIZE)
-        if window is not None:
-            if window > h2.MAX_WINDOW:
-                raise h2.ProtocolError("SETTINGS_INITIAL_WINDOW_SIZE too large",
-                                       h2.FLOW_CONTROL_ERROR)
-            delta, self._peer_initial = window - self._peer_initial, window
-            for stream in self.streams.values():
-                stream.send_window += delta
-        frame_size = values.get(h2.MAX_FRAME_SIZE)
-        if frame_size is not None:
-            if not h2.DEFAULT_FRAME_SIZE <= frame_size <= 2**24 - 1:
-                raise h2.ProtocolError("SETTINGS_MAX_FRAME_SIZE out of range")
-            self._peer_frame = frame_size
-        if window is not None:
-            self._drain_all()
-
-    def _window_update(self, stream_id: int, increment: int) -> None:
-        if increment == 0:
-            raise h2.ProtocolError("WINDOW_UPDATE of 0")
-        if stream_id == 0:
-            self._send_window += increment
-            if self._send_window > h2.MAX_WINDOW:
-                raise h2.ProtocolError("connection window over 2^31-1", h2.FLOW_CONTROL_ERROR)
-            self._drain_all()
-            return
-        stream = self.streams.get(stream_id)
-        if stream is not None:
-            stream.send_window += increment
-            if stream.send_window > h2.MAX_WINDOW:
-                self.reset_stream(stream_id, h2.FLOW_CONTROL_ERROR)
-                if stream.sink is not None:
-                    stream.sink.reset()
-                return
-            self._drain(stream_id, stream)
-
-    # --- sending ------------------------------------------------------------------------
-    def _drain_all(self) -> None:
-        for stream_id, stream in list(self.streams.items()):
-            if stream.pending:
-                self._drain(stream_id, stream)
-
-    def _drain(self, stream_id: int, stream: _Stream) -> None:
-        pending = stream.pending
-        while pending:
-            kind, payload, end = pending[0]
-            if kind == h2.HEADERS:
-                pending.popleft()
-                self._queue(h2.frame(h2.HEADERS, h2.END_HEADERS | (h2.END_STREAM if end else 0),
-                                     stream_id, payload))
-            else:
-                room = min(stream.send_window, self._send_window, self._peer_frame)
-                if room <= 0 and payload:
-                    return
-                chunk, rest = payload[:room], payload[room:]
-                stream.send_window -= len(chunk)
-                self._send_window -= len(chunk)
-                last = end and not rest
-                self._queue(h2.frame(h2.DATA, h2.END_STREAM if last else 0, stream_id, chunk))
-                if rest:
-                    pending[0] = (kind, rest, end)
-                    continue
-                pending.popleft()
-            if end:
-                self._sent_end(stream_id, stream)
-                return
-
-    def _sent_end(self, stream_id: int, stream: _Stream) -> None:
+    # --- stream ends -------------------------------------------------------------------
+    def _sent_end(self, stream_id: int, stream: H2Stream) -> None:
         """Answered. A stream whose request has not ended stays until it does (its sink
         discards the rest): a RST_STREAM here would race the client's own writes, which
         some clients then report in place of the status they were sent."""
@@ -415,7 +307,7 @@ class H2Connection(asyncio.Protocol):
         if not stream.receiving:
             self._close_stream(stream_id)
 
-    def _received_end(self, stream_id: int, stream: _Stream) -> None:
+    def _received_end(self, stream_id: int, stream: H2Stream) -> None:
         stream.receiving = False
         if not stream.sending:
             self._close_stream(stream_id)

@@ -3,10 +3,10 @@
 The loop: block for the first entry, top up without blocking while the policy says
 wait (the window is timed here, never by a short Redis BLOCK), claim what dead or stuck
 consumers left behind, drop entries whose clients left (each read fetches the model's
-withdrawn set along), answer expired entries without running them, run one shape
-group, split the outputs, answer and acknowledge in one pipeline. Every few seconds, and
-at once after Redis failed or lost data, it also recomputes the model's rows-waiting
-counter from its streams (workers/reconcile.py).
+withdrawn set along), answer expired entries without running them (workers/expiry.py),
+run one shape group, split the outputs, answer and acknowledge in one pipeline. Every
+few seconds, and at once after Redis failed or lost data, it also recomputes the model's
+rows-waiting counter from its streams (workers/reconcile.py).
 
 Pipelined (``pipelined=True``, as an inference process on an accelerator runs), the model runs on a
 model thread (workers/model_thread.py) while this thread reads what arrives, and when the
@@ -15,10 +15,10 @@ then answers the batch that just finished. Redis stays on this thread. Without a
 thread each step runs its batch to the end: what tests that drive the loop step by step use.
 
 Model failures are answered, never fatal. Out of memory halves the batch
-(workers/batch_run.py, which runs a batch through the model) and the learned memory cap:
-on rows, or for a model with a padded axis on rows times the padded length
-(batching/memory.py). A CUDA error that poisons the context stops the process with the batch
-unacknowledged: the supervisor replaces it and another process re-runs the entries.
+(workers/batch_run.py, which runs a batch through the model) and the learned memory cap
+(workers/memory_caps.py). A CUDA error that poisons the context stops the process with
+the batch unacknowledged: the supervisor replaces it and another process re-runs the
+entries.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from functools import partial
 from redis.exceptions import RedisError
 
 from batching.config import ModelConfig
-from batching.envelope import PATH, Reply
-from batching.errors import ConveyorError, DeadlineExceeded, ModelFailure, Unavailable
+from batching.envelope import PATH
+from batching.errors import ModelFailure, Unavailable
 from batching.former import Batch, BatchFormer, Entry, Layout
 from batching.keys import Keys
-from batching.memory import UNBOUNDED, RowCap
 from batching.policy_choice import make_policy
 from batching.service_rate import ServiceRate
 from workers.backends import (
@@ -45,6 +44,8 @@ from workers.backends import (
 from workers.batch_report import BatchListener, BatchReport, failure
 from workers.batch_run import Arrays, BatchRunner, Outcome
 from workers.batch_stats import batch_counters
+from workers.expiry import Expiry, answer_unrun
+from workers.memory_caps import MemoryCaps
 from workers.model_thread import ModelThread
 from workers.shared_inputs import SharedInputs
 from workers.shared_state import SharedState
@@ -88,17 +89,10 @@ class InferenceLoop:
         self.policy = make_policy(config)
         self.former = BatchFormer(self.policy, config.batch_rows, Layout.of(config),
                                   config.max_batch_cost, config.queue.max_priority_wait_ms)
-        self.row_cap = RowCap(config.batch_rows)
-        """The one owner of the batch size bound: ``limit`` is ``max_batch_size`` (lowered
-        at run time by :meth:`apply_control`), ``cap`` the rows the device has shown it
-        holds, never above ``limit``. The policy and the former keep the configured bound
-        and get the run-time one from here: the policy as its ``row_cap``, the former with
-        each :meth:`BatchFormer.take`. For a model with a padded axis it never learns:
-        :attr:`cost_cap` does."""
-        self.cost_cap = RowCap(UNBOUNDED)
-        """A model with a padded axis: the learned bound on rows times padded length,
-        which the former applies (``max_padded``)."""
-        self._padded = bool(self.former.layout.pad)
+        self.caps = MemoryCaps(config, self.former, self.policy, shared, streams)
+        self.row_cap = self.caps.row_cap
+        """:attr:`MemoryCaps.row_cap`, the one owner of the batch size bound."""
+        self.expiry = Expiry(config, self.former, self.policy, self.row_cap, streams)
         self.events: BatchListener = _no_events
         self.stopping = False
         self._lone = False
@@ -116,16 +110,6 @@ class InferenceLoop:
         """How long the last batch took in the model thread."""
         self.batches = 0
         self.rows = 0
-        self._backlog_since: float | None = None
-        """Since when every read took all the rows there was room for (None: the last one
-        did not): more is waiting. Past capacity once it has lasted ``_sustained_s``."""
-        self._in_time_rows = 0
-        """Past capacity, the most rows the next batch may hold so that all of them are
-        answered in time (0: no such bound now)."""
-        self._sustained_s = config.batching.latency_target_ms / 1000.0
-        """A backlog shorter than the latency target is a burst the queue absorbs (its
-        requests wait, and still make it); one that lasts it is more than this process
-        serves."""
         self._last_answered = 0.0
         """When the last batch's answers were sent (time.time())."""
         self._cpu_mark = time.thread_time()
@@ -148,10 +132,8 @@ class InferenceLoop:
         if "max_queue_delay_us" in overrides:
             self.policy.max_delay_s = max(0, int(overrides["max_queue_delay_us"])) / 1e6
         if "max_batch_size" in overrides:
-            rows = min(max(1, int(overrides["max_batch_size"])), self.config.batch_rows)
-            self.row_cap.limit = rows
-            self.row_cap.cap = min(self.row_cap.cap, rows)
-            self._publish_cap()
+            self.caps.limit(min(max(1, int(overrides["max_batch_size"])),
+                                self.config.batch_rows))
 
     def stats(self) -> dict[str, float]:
         return {"batches": self.batches, "rows": self.rows,
@@ -203,10 +185,7 @@ class InferenceLoop:
                 # processes feeding it.
                 poll, self._lone = self._lone, False
                 fresh = self.streams.read(room, block, poll=poll)
-                if len(fresh) < room:
-                    self._backlog_since = None
-                elif self._backlog_since is None:
-                    self._backlog_since = now
+                self.expiry.read(len(fresh), room, now)
                 self._arrived(fresh)
                 room = bound - self.former.pending_rows
             now = time.time()
@@ -216,7 +195,7 @@ class InferenceLoop:
             urgent = self.streams.streams[:self.former.best_priority - 1]
             self._arrived(self.streams.read(bound, None, urgent))
             now = time.time()
-        self._answer_expired(now)
+        self.expiry.answer(now)
         if busy:
             self._prepare(now)
             # Read again soon while the next batch can still grow; else wait for the model.
@@ -232,29 +211,6 @@ class InferenceLoop:
         elif len(self.former) and not self.stopping:
             time.sleep(min(self.former.decide(now).wait_s, 0.001))
 
-    def _answer_expired(self, now: float) -> None:
-        """Answer, without running them, the entries whose deadline has passed, and, while
-        more has waited than this process can hold for as long as the latency target (past
-        capacity), those the policy says a batch started now could not answer in time.
-        Below capacity, and in a burst, nothing is shed on a forecast: a noisy fit would
-        cost requests that make it."""
-        expired = self.former.take_expired(now)
-        if expired:
-            self._answer_error(expired, DeadlineExceeded("deadline passed while queued"))
-        self._in_time_rows = 0
-        since = self._backlog_since
-        if not len(self.former) or since is None or now - since < self._sustained_s:
-            return
-        horizon = self.policy.shed_horizon_s
-        if horizon(1) <= 0.0:
-            return
-        late, self._in_time_rows = self.former.take_unanswerable(now, horizon, self.row_cap.cap)
-        if late:
-            took = horizon(max(self._in_time_rows, 1))
-            self._answer_error(late, DeadlineExceeded(
-                f"cannot be answered before its deadline: a batch takes about "
-                f"{took * 1e3:.1f} ms here now"), {"shed_count": len(late)})
-
     def _form(self, now: float) -> Batch | None:
         """The batch the policy dispatches now (all that waits when stopping), if any."""
         decision = self.former.decide(now)
@@ -262,7 +218,7 @@ class InferenceLoop:
             return None
         cap = min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)
         return self.former.take(decision.reason or "drain",
-                                min(cap, self._in_time_rows or cap))
+                                min(cap, self.expiry.in_time_rows or cap))
 
     def _prepare(self, now: float) -> None:
         """While the model runs, take a next batch that is already as full as it can be
@@ -304,9 +260,9 @@ class InferenceLoop:
                 self.streams.settle()
             raise
         self._model_s = time.monotonic() - self._running
-        self._learn_fits(done)
+        self.caps.learn(done)
         now = time.time()
-        self._answer_expired(now)
+        self.expiry.answer(now)
         batch: Batch | None
         stacked: Arrays | None = None
         if self._prepared is not None:
@@ -325,7 +281,7 @@ class InferenceLoop:
         process cannot read (workers/shared_inputs.py) is answered now, unrun."""
         readable, lost = self.inputs.split(entries)
         for entry, why in lost:
-            self._answer_error([entry], Unavailable(why))
+            answer_unrun(self.streams, [entry], Unavailable(why))
         return readable
 
     def _arrived(self, fresh: list[Entry]) -> None:
@@ -353,7 +309,7 @@ class InferenceLoop:
             reason = (f"failed {limit} times: each process that took it died or hung "
                       "before answering")
             self.streams.dead_letter(self.dlq, dead, reason)
-            self._answer_error(dead, ModelFailure(
+            answer_unrun(self.streams, dead, ModelFailure(
                 f"model {self.config.name!r} {reason}; moved to the dead-letter stream"),
                 {"dead_letter_count": len(dead)})
         alive = [e for e in claimed if e.deliveries <= limit]
@@ -369,7 +325,7 @@ class InferenceLoop:
         prep_s = time.thread_time() - self._cpu_mark
         done = self._execute(batch)
         done.prep_s = prep_s
-        self._learn_fits(done)
+        self.caps.learn(done)
         self._finish(done)
 
     def _execute(self, batch: Batch, stacked: Arrays | None = None) -> Outcome:
@@ -384,17 +340,6 @@ class InferenceLoop:
             self.shared.busy_since = 0.0
         done.finished = time.time()
         return done
-
-    def _learn_fits(self, done: Outcome) -> None:
-        """What the batch showed of device memory, in the order it happened."""
-        for fitted, rows, width in done.fits:
-            if not fitted:
-                self._on_oom(rows, width)
-            elif self._padded:
-                self.cost_cap.on_success(rows * width, width)
-            else:
-                self.row_cap.on_success(rows)
-        self._publish_cap()
 
     def _finish(self, done: Outcome) -> None:
         """Answer a batch the model ran, and count it."""
@@ -425,29 +370,3 @@ class InferenceLoop:
         if done.prep_s is not None:
             return answered - done.started + done.prep_s
         return answered - max(self._last_answered, done.started)
-
-    def _publish_cap(self) -> None:
-        self.shared.row_cap = self.policy.row_cap = self.row_cap.cap
-        if self.cost_cap.cap < UNBOUNDED:
-            self.former.max_padded = self.cost_cap.cap
-
-    def _on_oom(self, rows: int, width: int) -> None:
-        self.streams.count({"oom_count": 1})
-        if self._padded:
-            self.cost_cap.on_oom(rows * width)
-            self._publish_cap()
-            log.warning("%s: out of memory at %d rows of padded length %d; cap on rows x "
-                        "length now %d", self.config.name, rows, width, self.cost_cap.cap)
-            return
-        self.row_cap.on_oom(rows)
-        self._publish_cap()
-        log.warning("%s: out of memory at %d rows; row cap now %d", self.config.name, rows,
-                    self.row_cap.cap)
-
-    def _answer_error(self, entries: list[Entry], exc: ConveyorError,
-                      extra: dict[str, int] | None = None) -> None:
-        now_ms = time.time() * 1000.0
-        fail_ns = sum(int(max(0.0, now_ms - e.request.enq_ms) * 1e6) for e in entries)
-        self.streams.answer(
-            [(e, Reply(e.request.id, error_code=exc.code, error=exc.message)) for e in entries],
-            {"fail_count": len(entries), "fail_ns": fail_ns, **(extra or {})})
