@@ -22,6 +22,7 @@ from fastapi_offline import FastAPIOffline
 from api.auth import Guard, KeyStore
 from api.auth_http import AuthGuard
 from api.body import BodyLimits
+from api.bytes_endpoint import endpoint_from
 from api.dispatch import Dispatcher
 from api.dispatch_port import DispatchPort
 from api.health import WorkerWatch
@@ -79,8 +80,10 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                        max_regions=settings.shm_max_regions,
                        max_bytes=settings.max_request_bytes,
                        interval_s=settings.heartbeat_interval_s)
+    endpoint = endpoint_from(settings)
     arena = InputArena(settings.tensor_arena_mb << 20, settings.tensor_arena_min_bytes,
-                       watch.shares_memory)
+                       watch.shares_memory, endpoint=endpoint, models=models,
+                       transport=settings.tensor_transport)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
                                BodyLimits.from_settings(settings), broken=scan.failed, shm=shm,
                                arena=arena)
@@ -102,6 +105,8 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         await repository.start()
         await watch.start()
         await shm.start()
+        if endpoint is not None:
+            endpoint.start()
         memory.start()
         service.overload.start()
         if grpc_endpoint is not None:
@@ -118,6 +123,8 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         await service.overload.close()
         await shm.close()
         arena.close()
+        if endpoint is not None:
+            endpoint.close()
         await watch.close()
         await dispatcher.close()
 

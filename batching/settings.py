@@ -137,7 +137,26 @@ class Settings(BaseSettings):
     through it instead of through Redis while every inference process of its model shares
     the API process's memory (same host, same ``/dev/shm``). 0: every input through Redis."""
     tensor_arena_min_bytes: int = Field(default=32768, ge=1)
-    """The smallest input that goes through the tensor arena."""
+    """The smallest input that goes through the tensor arena or the bytes endpoint."""
+    tensor_transport: Literal["auto", "fetch", "redis"] = "auto"
+    """How an input of ``tensor_arena_min_bytes`` or more reaches the inference processes:
+    ``auto``, through the tensor arena where they all share the API process's memory,
+    else fetched by them from the API process's bytes endpoint (docs/data-path.md);
+    ``fetch``, from the endpoint always (the path between hosts, on one host); ``redis``,
+    in the stream entry always."""
+    tensor_fetch_port: int = Field(default=0, ge=0, le=65535)
+    """The API process's bytes endpoint listens on ``host`` at the first free port from
+    this one (one per API process); 0: any free port."""
+    tensor_fetch_host: str = ""
+    """The address inference processes reach this API process's bytes endpoint at; empty:
+    ``host``, or where ``host`` names every interface, this host's address on the way to
+    Redis."""
+    tensor_fetch_timeout_s: float = Field(default=2.0, gt=0)
+    """How long an inference process waits for the inputs it fetches from API processes;
+    a request whose inputs did not come is answered with an error (503)."""
+    tensor_fetch_ca_file: Path | None = None
+    """The CA an inference process checks a bytes endpoint that speaks TLS against (the
+    API's ``tls_cert_file`` is signed by it); unset: the system's CAs."""
     server_name: Annotated[str, Field(min_length=1)] = "conveyor"
     """The server's ``name`` in its metadata (``GET /v2``, gRPC ``ServerMetadata``)."""
     callback_hosts: str = ""

@@ -1,34 +1,74 @@
-"""Inputs an API process of this host left in its shared tensor arena
-(batching/tensor_arena.py), read in place when their entries arrive."""
+"""Inputs an API process kept out of Redis: read in place from its shared tensor arena on
+this host (batching/tensor_arena.py), or fetched from its bytes endpoint on another
+(batching/tensor_transport.py), when their entries arrive."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from batching.envelope import Tensor
 from batching.former import Entry
+from batching.settings import Settings
 from batching.tensor_arena import ArenaReader, TensorGone
+from batching.tensor_transport import FetchClient, client_context, is_remote
+
+
+def settings_client() -> FetchClient:
+    """A fetch client as ``CONVEYOR_TENSOR_FETCH_*`` configure it."""
+    settings = Settings()
+    return FetchClient(settings.tensor_fetch_timeout_s,
+                       client_context(settings.tensor_fetch_ca_file))
 
 
 class SharedInputs:
-    """Resolves the arena references of arriving entries into views of the arena."""
+    """Resolves the references of arriving entries: arena references into views of the
+    arena, endpoint references into the bytes fetched, those of all the entries of one
+    call in one round trip per API process."""
 
-    def __init__(self, reader: ArenaReader | None = None) -> None:
+    def __init__(self, reader: ArenaReader | None = None,
+                 fetch: FetchClient | Callable[[], FetchClient] = settings_client) -> None:
         self._reader = reader
         """Made on the first reference: a model that never gets one maps nothing."""
+        self._fetch = fetch
+        """The fetch client, or what makes it on the first endpoint reference."""
 
     def split(self, entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
         """The entries whose inputs are all readable now (references replaced by the
-        bytes, viewed in place), and those that are not, with why."""
+        bytes, viewed in place or fetched), and those that are not, with why."""
+        fetched = self._fetch_all(entries)
         readable: list[Entry] = []
         lost: list[tuple[Entry, str]] = []
         for entry in entries:
             try:
                 for tensor in entry.request.inputs:
                     if tensor.ref is not None:
-                        if self._reader is None:
-                            self._reader = ArenaReader()
-                        tensor.raw = self._reader.view(tensor.ref)
+                        tensor.raw = self._resolve(tensor, fetched)
                         tensor.ref = None  # packed again (a dead letter), it holds the bytes
             except TensorGone as exc:
                 lost.append((entry, str(exc)))
                 continue
             readable.append(entry)
         return readable, lost
+
+    def _resolve(self, tensor: Tensor, fetched: dict[int, memoryview | TensorGone]
+                 ) -> memoryview:
+        assert tensor.ref is not None
+        if is_remote(tensor.ref):
+            got = fetched[id(tensor)]
+            if isinstance(got, TensorGone):
+                raise got
+            return got
+        if self._reader is None:
+            self._reader = ArenaReader()
+        return self._reader.view(tensor.ref)
+
+    def _fetch_all(self, entries: list[Entry]) -> dict[int, memoryview | TensorGone]:
+        """The bytes of every endpoint reference of ``entries``, by ``id()`` of its tensor."""
+        remote = [t for e in entries for t in e.request.inputs
+                  if t.ref is not None and is_remote(t.ref)]
+        if not remote:
+            return {}
+        if not isinstance(self._fetch, FetchClient):
+            self._fetch = self._fetch()
+        got = self._fetch.fetch([t.ref for t in remote if t.ref is not None])
+        return {id(t): one for t, one in zip(remote, got, strict=True)}

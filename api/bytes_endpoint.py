@@ -1,0 +1,267 @@
+"""The API process's bytes endpoint: the large inputs of its requests in flight, served to
+the inference processes of other hosts that hold a reference made for them
+(batching/tensor_transport.py has the protocol and the reference).
+
+A tensor is held from :meth:`BytesEndpoint.put` until :meth:`BytesEndpoint.free` (its
+request answered, timed out or withdrawn), and never served past its expiry. The endpoint
+binds ``CONVEYOR_HOST`` as the API's other listeners do, on the first free port from
+``CONVEYOR_TENSOR_FETCH_PORT`` (0: any), and speaks TLS when the API does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import itertools
+import logging
+import secrets
+import socket
+import socketserver
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from batching.settings import Settings
+from batching.tensor_transport import (
+    COUNT,
+    ITEM,
+    LENGTH,
+    MAGIC,
+    MAX_ITEMS,
+    TOKEN_BYTES,
+    Ref,
+    Refusal,
+)
+
+log = logging.getLogger(__name__)
+
+PORTS_TRIED = 256
+"""With a fixed first port, how many ports from it are tried (one per API process)."""
+POLL_S = 0.1
+"""How often the accepting thread looks whether it is to stop."""
+SENDMSG_PARTS = 512
+"""Buffers handed to one ``sendmsg`` at most (the kernel's IOV_MAX is 1024)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    data: bytes | memoryview
+    expiry_ms: int
+    token: bytes
+
+
+class BytesEndpoint:
+    """Holds tensors by id and serves them to the holders of their token, from threads of
+    its own (one per connection, blocking ``sendmsg`` of the held bytes, no copy): the
+    API's event loop only puts and frees."""
+
+    def __init__(self, host: str, port: int = 0, *, advertise: str = "",
+                 tls: ssl.SSLContext | None = None) -> None:
+        self._host = host
+        self._port = port
+        self._advertise = advertise
+        self._tls = tls
+        self._held: dict[int, _Held] = {}
+        self._ids = itertools.count(1)
+        self._server: _Server | None = None
+        self.where = ""
+        """``tcp://host:port`` or ``tls://host:port``, as references carry it; set by
+        :meth:`start`."""
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        self._server = self._listen()
+        port = self._server.server_address[1]
+        host = self._advertise or self._host
+        if ":" in host:
+            host = f"[{host}]"
+        self.where = f"{'tls' if self._tls else 'tcp'}://{host}:{port}"
+        threading.Thread(target=self._server.serve_forever, args=(POLL_S,),
+                         name="conveyor-bytes-endpoint",
+                         daemon=True).start()
+        log.info("large inputs to inference processes of other hosts are served at %s",
+                 self.where)
+
+    def _listen(self) -> _Server:
+        ports = [0] if self._port == 0 else range(self._port, self._port + PORTS_TRIED)
+        for port in ports:
+            try:
+                return _Server(self, (self._host, port))
+            except OSError:
+                if port == ports[-1]:
+                    raise
+        raise AssertionError("unreachable")
+
+    def put(self, data: bytes | memoryview, expiry_ms: int) -> Ref:
+        """Hold ``data`` (not copied unless it may change) until :meth:`free`; its
+        reference."""
+        if isinstance(data, memoryview) and not data.readonly:
+            data = bytes(data)
+        rid = next(self._ids)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._held[rid] = _Held(data, expiry_ms, token)
+        return [self.where, rid, len(data), expiry_ms, token]
+
+    def free(self, ref: Ref) -> None:
+        self._held.pop(ref[1], None)
+
+    def serve(self, items: list[tuple[int, bytes]]) -> list[bytes | memoryview]:
+        """The reply to one fetch: its header, then the bytes of each tensor served."""
+        now_ms = time.time() * 1000.0
+        sizes: list[int] = []
+        parts: list[bytes | memoryview] = []
+        for rid, token in items:
+            held = self._held.get(rid)
+            if held is None:
+                sizes.append(-Refusal.GONE)
+            elif not hmac.compare_digest(held.token, token):
+                sizes.append(-Refusal.TOKEN)
+            elif held.expiry_ms < now_ms:
+                sizes.append(-Refusal.EXPIRED)
+            else:
+                sizes.append(len(held.data))
+                parts.append(held.data)
+        head = MAGIC + b"".join(LENGTH.pack(s) for s in sizes)
+        return [head, *parts]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server.close_connections()
+            self._server = None
+        self._held.clear()
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, endpoint: BytesEndpoint, address: tuple[str, int]) -> None:
+        self.endpoint = endpoint
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        super().__init__(address, _Connection)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, peer = self.socket.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._open.add(sock)
+        return sock, peer
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with self._lock:
+            for sock in self._open:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            self._open.clear()
+
+
+class _Connection(socketserver.BaseRequestHandler):
+    """One inference process's connection: its fetches answered in order."""
+
+    server: _Server
+
+    def handle(self) -> None:
+        endpoint = self.server.endpoint
+        sock: socket.socket = self.request
+        try:
+            if endpoint._tls is not None:
+                sock = endpoint._tls.wrap_socket(sock, server_side=True)
+            while True:
+                items = _read_fetch(sock)
+                if items is None:
+                    return
+                parts = endpoint.serve(items)
+                if isinstance(sock, ssl.SSLSocket):
+                    for part in parts:
+                        sock.sendall(part)
+                else:
+                    _send_all(sock, parts)
+        except (OSError, ValueError) as exc:
+            log.debug("bytes endpoint: a connection ended: %s", exc)
+        finally:
+            if sock is not self.request:
+                sock.close()
+
+
+def _read_fetch(sock: socket.socket) -> list[tuple[int, bytes]] | None:
+    """The next fetch on ``sock``; None when the peer closed it between fetches."""
+    head = _recv_exactly(sock, COUNT.size)
+    if head is None:
+        return None
+    magic, count = COUNT.unpack(head)
+    if magic != MAGIC or count > MAX_ITEMS:
+        raise ValueError("a connection that does not speak the bytes endpoint's protocol")
+    body = _recv_exactly(sock, ITEM.size * count)
+    if body is None:
+        raise ValueError("a fetch cut short")
+    return [ITEM.unpack_from(body, ITEM.size * i) for i in range(count)]
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return bytes(data)
+
+
+def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """``parts`` in as few ``sendmsg`` calls as the kernel takes them."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views[:SENDMSG_PARTS])
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def advertised_host(host: str, redis_url: str) -> str:
+    """The address other hosts reach this process at, for a bind address ``host``: itself,
+    unless it names every interface; then this host's address on the way to Redis (the
+    network the inference processes share with it)."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    target = urlsplit(redis_url.split(",")[0]).hostname or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((target, 9))  # UDP: no packet is sent
+            address: str = probe.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+    return address
+
+
+def endpoint_from(settings: Settings) -> BytesEndpoint | None:
+    """The bytes endpoint ``settings`` ask for: on ``host`` as the API's listeners, with
+    TLS when they speak it; None when large inputs go through Redis."""
+    if settings.tensor_transport == "redis":
+        return None
+    tls = None
+    if settings.tls_cert_file is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    return BytesEndpoint(settings.host, settings.tensor_fetch_port, tls=tls,
+                         advertise=settings.tensor_fetch_host
+                         or advertised_host(settings.host, settings.redis_url))

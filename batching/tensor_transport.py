@@ -1,0 +1,218 @@
+"""Large input tensors fetched from their API process instead of passing through Redis,
+where the inference processes run on another host (the tensor arena needs a shared
+``/dev/shm``: batching/tensor_arena.py).
+
+Pull, not push: the API process keeps a large input's bytes for as long as the request
+is in flight (api/bytes_endpoint.py) and the stream entry carries a reference to them,
+``[where, id, length, expiry_ms, token]``: ``where`` is ``tcp://host:port`` (or
+``tls://``) of that process's bytes endpoint, ``token`` 16 random bytes made for this
+tensor alone, ``expiry_ms`` the request's deadline (ms since the epoch), after which the
+endpoint refuses it. An inference process fetches the inputs of everything it read in
+one round trip per API process (:class:`FetchClient`), every endpoint at once.
+
+The protocol, over one kept-alive TCP connection per endpoint, TLS when the API speaks it:
+
+- request: ``CVF1``, a ``u32`` count *n*, then *n* times (``u64`` id, 16-byte token);
+- reply: ``CVF1``, *n* ``i64``: a tensor's length, or a negative :class:`Refusal`, then
+  the bytes of the tensors served, in order.
+
+Everything little-endian. docs/data-path.md has the measurements against Arrow Flight.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batching.tensor_arena import TensorGone
+
+MAGIC = b"CVF1"
+COUNT = struct.Struct("<4sI")
+ITEM = struct.Struct("<Q16s")
+LENGTH = struct.Struct("<q")
+TOKEN_BYTES = 16
+MAX_ITEMS = 4096
+"""Most references in one fetch; a larger request is a protocol error."""
+
+Ref = list[Any]
+"""``[where, id, length, expiry_ms, token]``, as it travels in a request envelope."""
+
+
+class Refusal(enum.IntEnum):
+    """Why the endpoint serves no bytes for a reference (sent negated)."""
+
+    GONE = 1
+    """Unknown id: the request is over for its API process (answered, timed out, its
+    client gone), or that process restarted."""
+    TOKEN = 2
+    """The token is not the one made for this tensor."""
+    EXPIRED = 3
+    """Past the reference's expiry."""
+
+
+REASONS = {
+    Refusal.GONE: "the API process that admitted the request no longer holds its input "
+                  "(it gave the request up, or restarted)",
+    Refusal.TOKEN: "the API process refused the input's token",
+    Refusal.EXPIRED: "the request's input expired with its deadline",
+}
+
+
+def is_remote(ref: Ref) -> bool:
+    """``ref`` is a reference to an API process's bytes endpoint (not to an arena)."""
+    return len(ref) == 5
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    where: str
+    id: int
+    length: int
+    expiry_ms: int
+    token: bytes
+
+
+def parse(ref: Ref) -> Parsed:
+    """The reference's fields, checked; :class:`TensorGone` if it is malformed."""
+    try:
+        where, rid, length, expiry, token = ref
+        parsed = Parsed(str(where), int(rid), int(length), int(expiry), bytes(token))
+    except (TypeError, ValueError):
+        raise TensorGone(f"malformed tensor reference {ref!r}") from None
+    if (parsed.length < 0 or len(parsed.token) != TOKEN_BYTES or parsed.id < 0
+            or not parsed.where.startswith(("tcp://", "tls://"))):
+        raise TensorGone(f"malformed tensor reference {ref!r}")
+    return parsed
+
+
+def encode_request(items: Sequence[tuple[int, bytes]]) -> bytes:
+    """One fetch of ``(id, token)`` pairs."""
+    return COUNT.pack(MAGIC, len(items)) + b"".join(ITEM.pack(i, t) for i, t in items)
+
+
+def client_context(ca_file: Path | None) -> ssl.SSLContext:
+    """How an inference process checks an endpoint that speaks TLS: against ``ca_file``,
+    or the system's CAs."""
+    return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+
+
+class FetchClient:
+    """An inference process's fetches, one kept connection per endpoint. Blocking: every
+    endpoint of one fetch is asked before the first is read, all within ``timeout_s``."""
+
+    def __init__(self, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
+        self._timeout_s = timeout_s
+        self._tls = tls
+        self._links: dict[str, socket.socket] = {}
+
+    def fetch(self, refs: Sequence[Ref]) -> list[memoryview | TensorGone]:
+        """Each reference's bytes, or why they cannot be had."""
+        out: list[memoryview | TensorGone] = [TensorGone("not fetched")] * len(refs)
+        groups: dict[str, list[tuple[int, Parsed]]] = {}
+        for index, ref in enumerate(refs):
+            try:
+                parsed = parse(ref)
+            except TensorGone as exc:
+                out[index] = exc
+                continue
+            groups.setdefault(parsed.where, []).append((index, parsed))
+        deadline = time.monotonic() + self._timeout_s
+        asked: list[tuple[str, socket.socket]] = []
+        for where, group in groups.items():  # every endpoint asked before any is read
+            try:
+                link = self._link(where, deadline)
+                link.sendall(encode_request([(p.id, p.token) for _, p in group]))
+            except (OSError, ValueError) as exc:
+                self._fail(where, group, out, exc)
+                continue
+            asked.append((where, link))
+        for where, link in asked:
+            group = groups[where]
+            try:
+                link.settimeout(max(deadline - time.monotonic(), 0.001))
+                got = _read_reply(link, [p.length for _, p in group])
+            except (OSError, ValueError) as exc:
+                self._fail(where, group, out, exc)
+                continue
+            for (index, _), one in zip(group, got, strict=True):
+                out[index] = one
+        return out
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+
+    def _link(self, where: str, deadline: float) -> socket.socket:
+        link = self._links.get(where)
+        if link is not None:
+            return link
+        scheme, _, address = where.partition("://")
+        host, _, port = address.rpartition(":")
+        raw = socket.create_connection((host.strip("[]"), int(port)),
+                                       timeout=max(deadline - time.monotonic(), 0.001))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if scheme == "tls":
+            raw = (self._tls or client_context(None)).wrap_socket(
+                raw, server_hostname=host.strip("[]"))
+        raw.settimeout(None)
+        self._links[where] = raw
+        return raw
+
+    def _fail(self, where: str, group: list[tuple[int, Parsed]],
+              out: list[memoryview | TensorGone], exc: Exception) -> None:
+        link = self._links.pop(where, None)
+        if link is not None:
+            link.close()
+        for index, _ in group:
+            out[index] = TensorGone(f"the request's input could not be fetched from its API "
+                                    f"process at {where}: {exc}")
+
+
+def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | TensorGone]:
+    """One fetch's reply: each tensor's bytes (views of one buffer), or why not."""
+    head = _recv_exactly(link, len(MAGIC) + LENGTH.size * len(lengths))
+    if head[:len(MAGIC)] != MAGIC:
+        raise ValueError("not a bytes endpoint's reply")
+    sizes = [LENGTH.unpack_from(head, len(MAGIC) + LENGTH.size * i)[0]
+             for i in range(len(lengths))]
+    for size, expected in zip(sizes, lengths, strict=True):
+        if size >= 0 and size != expected:
+            raise ValueError("the endpoint sent a tensor of another length")
+    body = memoryview(_recv_exactly(link, sum(s for s in sizes if s > 0)))
+    got: list[memoryview | TensorGone] = []
+    at = 0
+    for size in sizes:
+        if size < 0:
+            got.append(TensorGone(_reason(-size)))
+            continue
+        got.append(body[at:at + size])
+        at += size
+    return got
+
+
+def _recv_exactly(link: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    flags = 0 if isinstance(link, ssl.SSLSocket) else socket.MSG_WAITALL
+    while got < size:
+        n = link.recv_into(view[got:], size - got, flags)
+        if n == 0:
+            raise ConnectionError("the endpoint closed the connection")
+        got += n
+    return data
+
+
+def _reason(code: int) -> str:
+    try:
+        return REASONS[Refusal(code)]
+    except ValueError:
+        return f"the API process refused the input (code {code})"

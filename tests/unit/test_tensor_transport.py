@@ -1,0 +1,207 @@
+"""Large inputs fetched from their API process's bytes endpoint (api/bytes_endpoint.py,
+batching/tensor_transport.py), in-process over loopback: the bytes come back whole, each
+endpoint answers one fetch in one round trip, and a reference that was freed, expired or
+carries another token gets no bytes, as does one whose endpoint is gone or silent."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from api.bytes_endpoint import BytesEndpoint, advertised_host
+from api.input_arena import InputArena
+from batching.config import ModelConfig, TensorSpec
+from batching.envelope import Request, Tensor
+from batching.tensor_arena import ArenaReader, TensorGone
+from batching.tensor_transport import FetchClient, Ref, client_context, is_remote
+from tests.test_listeners import make_cert
+
+LATER_MS = 60_000
+
+
+def _later() -> int:
+    return int(time.time() * 1000) + LATER_MS
+
+
+@pytest.fixture
+def endpoint() -> Iterator[BytesEndpoint]:
+    started = BytesEndpoint("127.0.0.1")
+    started.start()
+    yield started
+    started.close()
+
+
+@pytest.fixture
+def client() -> Iterator[FetchClient]:
+    made = FetchClient(5.0)
+    yield made
+    made.close()
+
+
+def _blobs(count: int, size: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(count)]
+
+
+def _counting(endpoint: BytesEndpoint) -> list[int]:
+    """The size of each fetch ``endpoint`` answers from now on."""
+    fetches: list[int] = []
+    serve = endpoint.serve
+
+    def counted(items: list[tuple[int, bytes]]) -> list[bytes | memoryview]:
+        fetches.append(len(items))
+        return serve(items)
+
+    endpoint.serve = counted  # type: ignore[method-assign]
+    return fetches
+
+
+def test_a_batch_of_inputs_comes_back_whole_in_one_fetch_per_endpoint(
+        endpoint: BytesEndpoint, client: FetchClient) -> None:
+    other = BytesEndpoint("127.0.0.1")
+    other.start()
+    try:
+        blobs = _blobs(40, 150_528)
+        refs = [(endpoint if i % 2 else other).put(b, _later()) for i, b in enumerate(blobs)]
+        fetches = _counting(endpoint), _counting(other)
+        got = client.fetch(refs)
+        assert [bytes(g) for g in got if isinstance(g, memoryview)] == blobs
+        assert fetches == ([20], [20])
+    finally:
+        other.close()
+
+
+def test_freed_expired_and_wrong_token_references_get_no_bytes(endpoint: BytesEndpoint,
+                                                              client: FetchClient) -> None:
+    fine, freed, expired, forged = (endpoint.put(b, _later()) for b in _blobs(4, 1000))
+    endpoint.free(freed)
+    expired = endpoint.put(b"x" * 1000, int(time.time() * 1000) - 1)
+    forged = [*forged[:4], bytes(16)]
+    got = client.fetch([fine, freed, expired, forged])
+    assert isinstance(got[0], memoryview) and len(got[0]) == 1000
+    reasons = [str(g) for g in got[1:]]
+    assert "no longer holds" in reasons[0]
+    assert "expired" in reasons[1]
+    assert "token" in reasons[2]
+    assert isinstance(client.fetch([fine])[0], memoryview)  # the connection is still good
+
+
+def test_a_malformed_reference_is_refused_without_a_fetch(endpoint: BytesEndpoint,
+                                                         client: FetchClient) -> None:
+    fetches = _counting(endpoint)
+    ref = endpoint.put(b"y" * 10, _later())
+    bad: list[Ref] = [[ref[0], ref[1], 10, ref[3], b"short"], ["http://x:1", 1, 10, 0, bytes(16)]]
+    got = client.fetch(bad)
+    assert all(isinstance(g, TensorGone) and "malformed" in str(g) for g in got)
+    assert fetches == []
+
+
+def test_an_endpoint_that_is_gone_or_silent_fails_its_inputs_in_time(
+        endpoint: BytesEndpoint) -> None:
+    alive = endpoint.put(b"z" * 100, _later())
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        dead = [f"tcp://127.0.0.1:{gone.getsockname()[1]}", 1, 100, _later(), bytes(16)]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # accepts (the kernel's backlog) and never answers
+        mute = [f"tcp://127.0.0.1:{silent.getsockname()[1]}", 1, 100, _later(), bytes(16)]
+        started = time.monotonic()
+        quick = FetchClient(0.5)
+        got = quick.fetch([dead, alive, mute])
+        took = time.monotonic() - started
+        quick.close()
+    assert isinstance(got[1], memoryview) and bytes(got[1]) == b"z" * 100
+    assert isinstance(got[0], TensorGone) and "could not be fetched" in str(got[0])
+    assert isinstance(got[2], TensorGone) and "timed out" in str(got[2])
+    assert took < 5.0
+
+
+def test_an_endpoint_that_speaks_tls_is_fetched_from_over_tls(tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path, "api")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    endpoint = BytesEndpoint("127.0.0.1", tls=tls)
+    endpoint.start()
+    try:
+        blobs = _blobs(3, 200_000, seed=1)
+        refs = [endpoint.put(b, _later()) for b in blobs]
+        assert endpoint.where.startswith("tls://127.0.0.1:")
+        trusting, untrusting = FetchClient(5.0, client_context(cert)), FetchClient(5.0)
+        got = trusting.fetch(refs)
+        assert [bytes(g) for g in got if isinstance(g, memoryview)] == blobs
+        untrusted = untrusting.fetch(refs[:1])
+        trusting.close()
+        assert isinstance(untrusted[0], TensorGone) and "CERTIFICATE" in str(untrusted[0]).upper()
+    finally:
+        endpoint.close()
+
+
+def test_a_fixed_port_taken_moves_to_the_next(endpoint: BytesEndpoint) -> None:
+    taken = int(endpoint.where.rsplit(":", 1)[1])
+    second = BytesEndpoint("127.0.0.1", taken)
+    second.start()
+    try:
+        assert int(second.where.rsplit(":", 1)[1]) > taken
+    finally:
+        second.close()
+
+
+def test_the_advertised_address_is_the_bind_address_or_the_way_to_redis() -> None:
+    assert advertised_host("10.1.2.3", "redis://127.0.0.1:6379/0") == "10.1.2.3"
+    assert advertised_host("0.0.0.0", "redis://127.0.0.1:6379/0") == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "redis+sentinel://127.0.0.1:26379,h2:1/m/0") == "127.0.0.1"
+
+
+def _config(timeout_ms: int = 5000) -> ModelConfig:
+    config = ModelConfig("far", "python", 8, inputs=(TensorSpec("x", "UINT8", (-1, -1)),),
+                         outputs=(TensorSpec("y", "UINT8", (-1, -1)),))
+    return replace(config, queue=replace(config.queue, default_timeout_ms=timeout_ms))
+
+
+def _inputs(*sizes: int) -> list[Tensor]:
+    return [Tensor(f"t{i}", "UINT8", (1, n), b"\x02" * n) for i, n in enumerate(sizes)]
+
+
+def test_the_api_places_inputs_in_its_endpoint_for_a_model_on_other_hosts(
+        tmp_path: Path, endpoint: BytesEndpoint, client: FetchClient) -> None:
+    placer = InputArena(64 * 1024, 1000, lambda model, token: model == "near", tmp_path,
+                        endpoint=endpoint, models={"far": _config(), "near": _config()})
+    inputs = _inputs(2000, 10)
+    refs = placer.place("far", inputs)
+    assert refs is not None and len(refs) == 1 and is_remote(refs[0])
+    assert inputs[0].raw == b"" and len(inputs[1].raw) == 10
+    expiry = refs[0][3]
+    assert time.time() * 1000 < expiry <= time.time() * 1000 + 5000
+    decoded = Request.decode(Request("r", "q", 0, 0.0, 1, inputs).encode())  # as it travels
+    assert decoded.inputs[0].ref == refs[0]
+    assert bytes(client.fetch(refs)[0]) == b"\x02" * 2000  # type: ignore[arg-type]
+    near = placer.place("near", _inputs(2000))
+    assert near is not None and not is_remote(near[0])  # the arena, on this host
+    assert bytes(ArenaReader(tmp_path).view(near[0])) == b"\x02" * 2000
+    placer.free(refs + near)
+    assert isinstance(client.fetch(refs)[0], TensorGone)
+    assert placer.place("unloaded", _inputs(2000)) is None
+    placer.close()
+
+
+def test_fetch_forces_the_endpoint_and_redis_keeps_inputs_inline(
+        tmp_path: Path, endpoint: BytesEndpoint) -> None:
+    models = {"near": _config()}
+    forced = InputArena(64 * 1024, 1000, lambda model, token: True, tmp_path,
+                        endpoint=endpoint, models=models, transport="fetch")
+    refs = forced.place("near", _inputs(2000))
+    assert refs is not None and is_remote(refs[0])
+    inline = InputArena(64 * 1024, 1000, lambda model, token: False, tmp_path,
+                        endpoint=endpoint, models=models, transport="redis")
+    assert inline.place("near", _inputs(2000)) is None
+    auto_off = InputArena(0, 1000, lambda model, token: True, tmp_path, endpoint=endpoint,
+                          models=models)
+    assert auto_off.place("near", _inputs(2000)) is None  # on this host, no arena: Redis
