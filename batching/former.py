@@ -9,6 +9,11 @@ gives out one shape group at a time, in that order, as the policy decides.
 Priority aging (``queue.max_priority_wait_ms``): an entry of a level below 1 that has
 waited that long since the API enqueued it is *aged*: it goes ahead of every level, aged
 entries oldest first. Without it priority is strict, and a busy level 1 starves the others.
+
+With a latency target (the adaptive policy), an entry is scheduled against the sooner of
+its deadline and the target after it was enqueued (:meth:`BatchFormer.due`). Past capacity
+(:meth:`BatchFormer.overload`, set by workers/expiry.py) with ``lifo``, the newest entry of
+a level goes first: the oldest are the ones that will miss the target anyway.
 """
 
 from __future__ import annotations
@@ -168,13 +173,8 @@ def _pad_to_longest(parts: list[npt.NDArray[Any]], axis: int,
     return padded
 
 
-def _order(entry: Entry) -> tuple[int, float]:
-    """Aged entries first, oldest first; then by priority level, and within a level by
-    deadline (earliest first). Python's sort is stable: ties keep the order entries were
-    read in, so requests with the same timeout go in arrival order."""
-    if entry.aged:
-        return 0, entry.request.enq_ms
-    return entry.request.prio, entry.request.deadline_ms
+def _deadline(entry: Entry) -> float:
+    return entry.deadline
 
 
 @dataclass(slots=True)
@@ -192,6 +192,13 @@ class BatchFormer:
     max_padded: int | None = None
     """The learned memory cap of a model with a padded axis (batching/memory.py): rows
     times the padded length, at most; None: no such cap yet."""
+    target_s: float | None = None
+    """The latency target entries are scheduled against (:meth:`due`); None: their own
+    deadlines only (a fixed window, as Triton)."""
+    lifo: bool = False
+    """While :attr:`overloaded`, newest first within a level (``batching.overload: lifo``)."""
+    overloaded: bool = False
+    """Past capacity: a standing queue (workers/expiry.py says when)."""
     _pending: list[Entry] = field(default_factory=list)
     _next_aging_ms: float = float("inf")
     """When the next entry not yet aged will be (ms since the epoch)."""
@@ -212,6 +219,29 @@ class BatchFormer:
             return min(e.request.prio for e in self._pending)
         return self._pending[0].request.prio
 
+    def due(self, entry: Entry) -> float:
+        """When ``entry`` should be answered by (s since the epoch): its deadline, or the
+        latency target after it was enqueued when that is sooner."""
+        if self.target_s is None:
+            return entry.deadline
+        return min(entry.deadline, entry.request.enq_ms / 1000.0 + self.target_s)
+
+    def _order(self, entry: Entry) -> tuple[int, float]:
+        """Aged entries first, oldest first; then by priority level, and within a level by
+        :meth:`due` (earliest first), or, past capacity with ``lifo``, newest first.
+        Python's sort is stable: ties keep the order entries were read in."""
+        if entry.aged:
+            return 0, entry.request.enq_ms
+        if self.lifo and self.overloaded:
+            return entry.request.prio, -entry.request.enq_ms
+        return entry.request.prio, self.due(entry)
+
+    def overload(self, on: bool) -> None:
+        """Enter or leave the past-capacity order."""
+        if on != self.overloaded:
+            self.overloaded = on
+            self._pending.sort(key=self._order)
+
     def add(self, entries: Iterable[Entry]) -> None:
         fresh = list(entries)
         self._pending.extend(fresh)
@@ -220,7 +250,7 @@ class BatchFormer:
                 if e.request.prio > 1:
                     self._next_aging_ms = min(self._next_aging_ms,
                                               e.request.enq_ms + self.max_wait_ms)
-        self._pending.sort(key=_order)
+        self._pending.sort(key=self._order)
 
     def _age(self, now: float) -> None:
         """Mark the entries that have waited ``max_wait_ms``; they move to the front."""
@@ -237,7 +267,7 @@ class BatchFormer:
             else:
                 upcoming = min(upcoming, e.request.enq_ms + wait)
         self._next_aging_ms = upcoming
-        self._pending.sort(key=_order)
+        self._pending.sort(key=self._order)
 
     def take_expired(self, now: float) -> list[Entry]:
         """Remove and return entries whose deadline has passed: they must never run."""
@@ -246,14 +276,19 @@ class BatchFormer:
             self._pending = [e for e in self._pending if e.deadline > now]
         return expired
 
-    def take_unanswerable(self, now: float, horizon: Callable[[int], float],
-                          cap: int) -> tuple[list[Entry], int]:
+    def take_unanswerable(self, now: float, horizon: Callable[[int], float], cap: int,
+                          by_target: bool = False) -> tuple[list[Entry], int]:
         """Past capacity: remove and return the entries that no batch started now can answer
-        in time, and the rows the next batch may hold so that all of them make it
-        (batching/shedding.py; 0 when not even a lone row can)."""
-        rows, threshold = rows_in_time(((e.deadline, e.rows) for e in self._pending), now,
+        in time (before their deadline, or ``by_target`` before :meth:`due`), and the rows
+        the next batch may hold so that all of them make it (batching/shedding.py; 0 when
+        not even a lone row can)."""
+        due: Callable[[Entry], float] = self.due if by_target else _deadline
+        rows, threshold = rows_in_time(((due(e), e.rows) for e in self._pending), now,
                                        horizon, cap)
-        return self.take_expired(threshold), rows
+        late = [e for e in self._pending if due(e) < threshold]
+        if late:
+            self._pending = [e for e in self._pending if due(e) >= threshold]
+        return late, rows
 
     def _fitting(self, group: list[Entry]) -> list[Entry]:
         """The leading entries of ``group`` whose rows times their longest padded length
@@ -293,7 +328,7 @@ class BatchFormer:
             now,
             rows=sum(e.rows for e in group),
             first_seen=min(e.seen for e in group),
-            earliest_deadline=min(e.deadline for e in group),
+            earliest_deadline=min(self.due(e) for e in group),
         )
 
     def take(self, reason: str, max_rows: int | None = None) -> Batch:

@@ -9,11 +9,15 @@ import time
 
 from batching.config import ModelConfig
 from batching.envelope import Reply
-from batching.errors import ConveyorError, DeadlineExceeded
+from batching.errors import ConveyorError, DeadlineExceeded, Overloaded
 from batching.former import BatchFormer, Entry
 from batching.memory import RowCap
 from batching.policy import TunablePolicy
 from workers.stream_port import StreamPort
+
+OVERLOAD_READ = 8
+"""Past capacity with ``lifo``, the rows held here, in batches: every read takes in the
+newest waiting (the streams hand out the oldest first), up to this many batches' worth."""
 
 
 def answer_unrun(streams: StreamPort, entries: list[Entry], exc: ConveyorError,
@@ -27,8 +31,12 @@ def answer_unrun(streams: StreamPort, entries: list[Entry], exc: ConveyorError,
 
 
 class Expiry:
-    """What waits in ``former`` past its deadline, and the backlog that says whether this
-    process is past capacity."""
+    """What waits in ``former`` past its deadline, and whether this process is past
+    capacity: a standing queue. Past capacity with ``batching.overload: lifo`` (the
+    adaptive policy), the former serves the newest first and what cannot be answered within
+    the latency target is answered at once (Overloaded, or DeadlineExceeded when its own
+    deadline is the sooner), and reads take in up to ``OVERLOAD_READ`` times a batch, so
+    that the newest waiting are in reach."""
 
     def __init__(self, config: ModelConfig, former: BatchFormer, policy: TunablePolicy,
                  row_cap: RowCap, streams: StreamPort) -> None:
@@ -36,9 +44,12 @@ class Expiry:
         self._policy = policy
         self._row_cap = row_cap
         self._streams = streams
+        self._lifo = config.batching.overload == "lifo"
         self._backlog_since: float | None = None
         """Since when every read took all the rows there was room for (None: the last one
         did not): more is waiting. Past capacity once it has lasted ``_sustained_s``."""
+        self.overloaded = False
+        """Past capacity, until a read finds the queue drained."""
         self.in_time_rows = 0
         """Past capacity, the most rows the next batch may hold so that all of them are
         answered in time (0: no such bound now)."""
@@ -47,33 +58,58 @@ class Expiry:
         requests wait, and still make it); one that lasts it is more than this process
         serves."""
 
+    def room(self, bound: int) -> int:
+        """The rows this process may hold, read or waiting to run, of which a batch holds
+        at most ``bound``."""
+        return bound * OVERLOAD_READ if self.overloaded and self._lifo else bound
+
     def read(self, got: int, room: int, now: float) -> None:
         """A read at ``now`` with ``room`` for rows took ``got`` entries."""
         if got < room:
             self._backlog_since = None
         elif self._backlog_since is None:
             self._backlog_since = now
+        elif now - self._backlog_since >= self._sustained_s:
+            self._set(True)
+
+    def formed(self, left: int) -> None:
+        """A batch was formed, leaving ``left`` entries waiting here. Past capacity ends
+        when it took all that waited and the last read was not full: the queue drained."""
+        if not left and self._backlog_since is None:
+            self._set(False)
+
+    def _set(self, on: bool) -> None:
+        self.overloaded = on
+        self._former.overload(on)
 
     def answer(self, now: float) -> None:
-        """Answer, without running them, the entries whose deadline has passed, and, while
-        more has waited than this process can hold for as long as the latency target (past
-        capacity), those the policy says a batch started now could not answer in time.
-        Below capacity, and in a burst, nothing is shed on a forecast: a noisy fit would
-        cost requests that make it."""
+        """Answer, without running them, the entries whose deadline has passed, and, past
+        capacity, those the policy says a batch started now could not answer in time
+        (before their deadline; with ``lifo``, within the latency target too). Below
+        capacity, and in a burst, nothing is shed on a forecast: a noisy fit would cost
+        requests that make it."""
         former = self._former
         expired = former.take_expired(now)
         if expired:
             answer_unrun(self._streams, expired, DeadlineExceeded("deadline passed while queued"))
         self.in_time_rows = 0
-        since = self._backlog_since
-        if not len(former) or since is None or now - since < self._sustained_s:
+        if not len(former) or not self.overloaded:
             return
         horizon = self._policy.shed_horizon_s
         if horizon(1) <= 0.0:
             return
-        late, self.in_time_rows = former.take_unanswerable(now, horizon, self._row_cap.cap)
-        if late:
-            took = horizon(max(self.in_time_rows, 1))
-            answer_unrun(self._streams, late, DeadlineExceeded(
-                f"cannot be answered before its deadline: a batch takes about "
-                f"{took * 1e3:.1f} ms here now"), {"shed_count": len(late)})
+        late, self.in_time_rows = former.take_unanswerable(now, horizon, self._row_cap.cap,
+                                                           self._lifo)
+        if not late:
+            return
+        took = f"a batch takes about {horizon(max(self.in_time_rows, 1)) * 1e3:.1f} ms here now"
+        by_target = self._lifo
+        own = [e for e in late if not by_target or e.deadline <= former.due(e)]
+        if own:
+            answer_unrun(self._streams, own, DeadlineExceeded(
+                f"cannot be answered before its deadline: {took}"), {"shed_count": len(own)})
+        target = [e for e in late if by_target and e.deadline > former.due(e)]
+        if target:
+            answer_unrun(self._streams, target, Overloaded(
+                f"past capacity: cannot be answered within the model's latency target "
+                f"({self._sustained_s * 1e3:g} ms): {took}"), {"shed_count": len(target)})

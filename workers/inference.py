@@ -88,7 +88,10 @@ class InferenceLoop:
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
         self.former = BatchFormer(self.policy, config.batch_rows, Layout.of(config),
-                                  config.max_batch_cost, config.queue.max_priority_wait_ms)
+                                  config.max_batch_cost, config.queue.max_priority_wait_ms,
+                                  target_s=config.batching.latency_target_ms / 1000.0
+                                  if config.batching.adaptive else None,
+                                  lifo=config.batching.overload == "lifo")
         self.caps = MemoryCaps(config, self.former, self.policy, shared, streams)
         self.row_cap = self.caps.row_cap
         """:attr:`MemoryCaps.row_cap`, the one owner of the batch size bound."""
@@ -162,7 +165,7 @@ class InferenceLoop:
 
     def _step(self) -> None:
         busy = self._model is not None and self._model.busy
-        bound = self.row_cap.limit
+        bound = self.expiry.room(self.row_cap.limit)
         room = bound - self.former.pending_rows
         now = time.time()
         if not self.stopping and self.reconciler.due(now):
@@ -192,8 +195,7 @@ class InferenceLoop:
         elif not self.stopping and self.former.best_priority > 1:
             # Full of lower-priority work (job chunks, say): still let urgent requests in,
             # or they would wait behind everything this process has already read.
-            urgent = self.streams.streams[:self.former.best_priority - 1]
-            self._arrived(self.streams.read(bound, None, urgent))
+            self._arrived(self.streams.read(bound, None, self.former.best_priority - 1))
             now = time.time()
         self.expiry.answer(now)
         if busy:
@@ -217,8 +219,10 @@ class InferenceLoop:
         if not len(self.former) or not (decision.dispatch or self.stopping):
             return None
         cap = min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)
-        return self.former.take(decision.reason or "drain",
-                                min(cap, self.expiry.in_time_rows or cap))
+        batch = self.former.take(decision.reason or "drain",
+                                 min(cap, self.expiry.in_time_rows or cap))
+        self.expiry.formed(len(self.former))
+        return batch
 
     def _prepare(self, now: float) -> None:
         """While the model runs, take a next batch that is already as full as it can be

@@ -36,12 +36,15 @@ class Echo:
         return {"y": inputs["x"]}
 
 
-def make_loop(adaptive: bool, target_ms: float = 50.0) -> tuple[InferenceLoop, MemoryStreams, Echo]:
+def make_loop(adaptive: bool, target_ms: float = 50.0,
+              overload: str = "fifo") -> tuple[InferenceLoop, MemoryStreams, Echo]:
+    """With ``overload: fifo`` past capacity sheds by each request's own deadline only
+    (tests/unit/test_overload_lifo.py has ``lifo``)."""
     config = ModelConfig(
         "m", "python", 8, inputs=(TensorSpec("x", "FP32", (-1, 2)),),
         outputs=(TensorSpec("y", "FP32", (-1, 2)),),
         batching=BatchingConfig(max_queue_delay_us=0, adaptive=adaptive,
-                                latency_target_ms=target_ms))
+                                latency_target_ms=target_ms, overload=overload))
     streams = MemoryStreams(KEYS.queues("m", config.queue.priority_levels))
     model = Echo()
     loop = InferenceLoop(config, model, streams, MemoryReclaimer(streams),
