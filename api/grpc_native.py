@@ -153,7 +153,8 @@ class NativeGrpcEndpoint:
                               grpc_listener.MAX_CONCURRENT_STREAMS,
                               grpc_listener.MAX_CONNECTION_IDLE_MS / 1000,
                               grpc_listener.KEEPALIVE_TIME_MS / 1000,
-                              grpc_listener.KEEPALIVE_TIMEOUT_MS / 1000)
+                              grpc_listener.KEEPALIVE_TIMEOUT_MS / 1000,
+                              settings.http_body_timeout_s)
         self._loop = Periodic("conveyor-grpc-health", settings.heartbeat_interval_s,
                               self._update_health)
         self._server: asyncio.Server | None = None

@@ -10,7 +10,10 @@ application: ``open_stream`` when its headers arrive, then the stream's
 Bounds: a frame is at most ``MAX_FRAME_SIZE``; a header list ``MAX_HEADER_LIST_SIZE``;
 ``max_streams`` streams at once (more are refused with REFUSED_STREAM); what a peer
 may send before the application consumed it is the receive window, which the
-application credits back as it takes whole messages.
+application credits back as it takes whole messages; a message begun and not whole
+within ``body_timeout_s`` of its first byte (a body trickled in) has its stream reset
+(``CANCEL``) and counted in ``conveyor_body_timeouts_total``. A stream with nothing begun
+is not timed: a client stream may wait between messages.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import struct
 import time
 from typing import Protocol, cast
 
+from api import body_timeouts
 from api import h2_codec as h2
 from api.h2_flow import H2Stream, RecvFlow, SendFlow
 
@@ -29,6 +33,8 @@ log = logging.getLogger(__name__)
 MAX_FRAME_SIZE = 1 << 20
 """The largest frame a peer may send us (our SETTINGS_MAX_FRAME_SIZE)."""
 MAX_HEADER_LIST_SIZE = 16_384
+BODY_TIMEOUT_S = 30.0
+"""A message's bytes all come within this of its first (CONVEYOR_HTTP_BODY_TIMEOUT_S's default)."""
 TICK_S = 10.0
 """How often a connection checks its idle, keepalive and ping deadlines."""
 
@@ -53,12 +59,13 @@ class Limits:
     """What one connection allows its peer, and its timers (seconds)."""
 
     def __init__(self, window: int, max_streams: int, idle_s: float, keepalive_s: float,
-                 keepalive_timeout_s: float) -> None:
+                 keepalive_timeout_s: float, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.window = min(h2.MAX_WINDOW, max(window, h2.DEFAULT_WINDOW))
         self.max_streams = max_streams
         self.idle_s = idle_s
         self.keepalive_s = keepalive_s
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.body_timeout_s = body_timeout_s
 
 
 class H2Connection(asyncio.Protocol):
@@ -84,6 +91,8 @@ class H2Connection(asyncio.Protocol):
         self._heard = self._active = 0.0
         self._ping_sent: float | None = None
         self._tick: asyncio.TimerHandle | None = None
+        self._body_watch: asyncio.TimerHandle | None = None
+        """Set while a stream holds part of a message: fires at the first one's deadline."""
 
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,6 +111,8 @@ class H2Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._tick is not None:
             self._tick.cancel()
+        if self._body_watch is not None:
+            self._body_watch.cancel()
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             if stream.sink is not None:
@@ -166,7 +177,11 @@ class H2Connection(asyncio.Protocol):
 
     def credit(self, stream_id: int, size: int) -> None:
         """The application took ``size`` bytes of this stream's data: the peer may send more."""
-        self._recv.credit(stream_id, self.streams.get(stream_id), size)
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.held -= size  # what is left begins the next message
+            stream.held_since = self._loop.time() if stream.held > 0 else None
+        self._recv.credit(stream_id, stream, size)
 
     def shut_down(self) -> None:
         """GOAWAY: no new streams; the connection closes once its streams are done."""
@@ -291,12 +306,42 @@ class H2Connection(asyncio.Protocol):
             return
         if size > len(body):
             self.credit(0, size - len(body))  # padding is never handed on
-        if flags & h2.END_STREAM:
+        end = bool(flags & h2.END_STREAM)
+        if not stream.held and body and not end:
+            self._begin_message(stream)
+        stream.held += len(body)
+        if end:
             stream.receiving = False
             stream.sink.data(body, True)
             self._received_end(stream_id, stream)
         else:
             stream.sink.data(body, False)
+
+    def _begin_message(self, stream: H2Stream) -> None:
+        stream.held_since = now = self._loop.time()
+        if self._body_watch is None:
+            self._body_watch = self._loop.call_at(now + self._limits.body_timeout_s,
+                                                  self._messages_late)
+
+    def _messages_late(self) -> None:
+        """Reset each stream whose message began ``body_timeout_s`` ago and is not whole;
+        look again at the next such deadline."""
+        self._body_watch = None
+        timeout = self._limits.body_timeout_s
+        now, first = self._loop.time(), None
+        for stream_id, stream in list(self.streams.items()):
+            since = stream.held_since
+            if since is None or not stream.receiving:
+                continue
+            if since + timeout > now:
+                first = since if first is None else min(first, since)
+                continue
+            body_timeouts.count("grpc")
+            self.reset_stream(stream_id, h2.CANCEL)
+            if stream.sink is not None:
+                stream.sink.reset()
+        if first is not None:
+            self._body_watch = self._loop.call_at(first + timeout, self._messages_late)
 
     # --- stream ends -------------------------------------------------------------------
     def _sent_end(self, stream_id: int, stream: H2Stream) -> None:

@@ -21,10 +21,13 @@ if TYPE_CHECKING:
 
 
 class H2Stream:
-    """One open stream: its sink, both windows, the frames waiting for send window, and
-    which directions are still open."""
+    """One open stream: its sink, both windows, the frames waiting for send window, which
+    directions are still open, and the received bytes the application has not taken yet
+    (a message not whole) with since when (``loop.time()``; None: none held)."""
 
     __slots__ = (
+        "held",
+        "held_since",
         "pending",
         "receiving",
         "recv_credit",
@@ -42,6 +45,8 @@ class H2Stream:
         self.receiving = True
         self.sending = True
         self.recv_credit = 0
+        self.held = 0
+        self.held_since: float | None = None
 
 
 class SendFlow:

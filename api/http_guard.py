@@ -3,7 +3,9 @@
 One instance per connection. It closes a connection that has not sent complete request
 headers within ``header_timeout_s`` of connecting or of its previous response (slowloris),
 answers 408 (or closes, once a response has started) when a request body does not
-complete within ``body_timeout_s``, answers 431 to request headers larger than
+complete within ``body_timeout_s`` of its headers (counted in
+``conveyor_body_timeouts_total``; a pipelined request's from when it starts, as its
+connection is not read until then), answers 431 to request headers larger than
 ``max_header_bytes``, closes idle keep-alive connections after ``keepalive_s`` and closes
 a new connection at once while ``max_connections`` are open. Used by :mod:`api.serve`.
 The header and keep-alive deadlines share one timer per connection (uvicorn sets and
@@ -42,6 +44,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
+from api import body_timeouts
 from api.coalesce import CoalescingTransport
 from api.http_direct import CYCLE
 from batching.errors import ConveyorError, HeadersTooLarge, InvalidInput, RequestTimeout
@@ -280,6 +283,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _body_late(self, cycle: RequestResponseCycle) -> None:
         self._body_timer = None
+        body_timeouts.count("http")
         if cycle.response_started:
             self.transport.close()
             return

@@ -69,6 +69,16 @@ PROTOCOL_REQUESTS = MetricDef(
     "`grpc`: `ModelInfer`. `grpc_stream`: each request on a `ModelStreamInfer` stream. All "
     "four are exported from start-up, at 0.",
     "api")
+BODY_TIMEOUTS = MetricDef(
+    "conveyor_body_timeouts_total", "counter", ("listener",),
+    "Requests whose body did not arrive within CONVEYOR_HTTP_BODY_TIMEOUT_S, by listener",
+    "Requests cut off by the listener because their body did not arrive in time "
+    "(`CONVEYOR_HTTP_BODY_TIMEOUT_S`, [security.md](security.md)). `listener=\"http\"`: an "
+    "HTTP/1.1 body not complete within the timeout of its headers, answered 408 and its "
+    "connection closed. `listener=\"grpc\"`: a message on an HTTP/2 stream of the native gRPC "
+    "listener not complete within the timeout of its first byte, the stream reset "
+    "(`CANCEL`). Both are exported from start-up, at 0.",
+    "api")
 REQUEST_DURATION = MetricDef(
     "conveyor_request_duration_seconds", "histogram", ("model", "outcome", "code"),
     "Time from request received to answer sent, by outcome and HTTP status",
@@ -310,8 +320,9 @@ RESIDENT_MEMORY = MetricDef(
     "inference process, from its heartbeat, the same on every API process.",
     "heartbeats")
 
-ALL = (REDIS_UP, REQUESTS, PROTOCOL_REQUESTS, REQUEST_DURATION, QUEUE_DURATION, REQUEST_BATCH_SIZE,
-       IN_FLIGHT, LOOP_LAG, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS, BATCH_SIZE,
-       BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, WITHDRAWN, SHED, RESTARTS, JOB_ROWS,
-       JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP, ARRIVAL_RATE,
-       LATENCY_INTERCEPT, LATENCY_SLOPE, SHED_RESERVE, GPU_USED, GPU_TOTAL, RESIDENT_MEMORY)
+ALL = (REDIS_UP, REQUESTS, PROTOCOL_REQUESTS, BODY_TIMEOUTS, REQUEST_DURATION, QUEUE_DURATION,
+       REQUEST_BATCH_SIZE, IN_FLIGHT, LOOP_LAG, QUEUE_DEPTH, QUEUE_OLDEST_AGE, QUEUE_DRAIN, ROWS,
+       BATCH_SIZE, BATCH_EXECUTION, BATCHES, BATCH_WAIT, OOM, RECLAIMED, DEAD_LETTER, WITHDRAWN,
+       SHED, RESTARTS, JOB_ROWS, JOBS, JOBS_FINISHED, MODEL_STATE, INSTANCE_STATE, ROW_CAP,
+       ARRIVAL_RATE, LATENCY_INTERCEPT, LATENCY_SLOPE, SHED_RESERVE, GPU_USED, GPU_TOTAL,
+       RESIDENT_MEMORY)

@@ -20,6 +20,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 
+from api import body_timeouts
 from api import metric_defs as d
 from api.metric_defs import MetricDef
 from api.metrics_shared import SharedState
@@ -87,6 +88,7 @@ class ApiMetrics:
         reg = self.registry
         self.requests = Counter(**_args(d.REQUESTS), registry=reg)
         self.protocol_requests = Counter(**_args(d.PROTOCOL_REQUESTS), registry=reg)
+        reg.register(body_timeouts.counter())  # counted by the listeners, one per process
         self.duration = Histogram(**_args(d.REQUEST_DURATION), buckets=LATENCY_BUCKETS,
                                   registry=reg)
         self.queue = Histogram(**_args(d.QUEUE_DURATION), buckets=LATENCY_BUCKETS, registry=reg)

@@ -1,4 +1,5 @@
-"""Listeners: bind address, TLS, connection guards (``python -m api.serve``) and gRPC limits.
+"""Listeners: bind address, TLS and gRPC limits (the HTTP timeouts and connection guards are
+in tests/test_listener_timeouts.py).
 
 Never import ``api.proto`` here, directly or through ``api.grpc_server`` or ``api.main``: its
 ``inference.*`` symbols would collide with tritonclient's in one process's descriptor pool.
@@ -14,7 +15,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,12 +26,13 @@ import pytest
 from uvicorn.config import STARTUP_FAILURE
 
 from api import grpc_listener
-from api.http_guard import MAX_HEADER_BYTES, ConnectionLimits, GuardedHttpProtocol
+from api.http_guard import ConnectionLimits, GuardedHttpProtocol
 from api.serve import EXIT_REFUSED, config
 from batching.exposure import is_loopback, unsafe_binding
 from batching.settings import Settings
 from tests.conftest import TEST_MODELS
-from tests.procs import ROOT, Proc, RedisServer, free_port, service_env, wait_for
+from tests.listener_harness import listening_hosts, start_serve, wait_live
+from tests.procs import ROOT, RedisServer, free_port, service_env
 from workers.probe import start_probe
 from workers.supervisor import Supervisor
 
@@ -62,23 +63,7 @@ def test_serve_refuses_an_unauthenticated_public_binding() -> None:
     assert done.returncode == EXIT_REFUSED
     assert "listening on 0.0.0.0 without CONVEYOR_API_KEYS_FILE" in done.stderr
 
-
 # --- Helpers -------------------------------------------------------------------------------
-
-
-def listening_hosts(port: int) -> set[str]:
-    """Addresses with a TCP socket listening on ``port``, read from /proc/net/tcp{,6}."""
-    hosts: set[str] = set()
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:
-                continue
-            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
-            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            hosts.add(socket.inet_ntop(family, packed))
-    return hosts
 
 
 def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
@@ -89,199 +74,6 @@ def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     return cert, key
-
-
-def start_serve(redis_server: RedisServer, logdir: Path, name: str,
-                **env: str) -> tuple[Proc, int]:
-    port = free_port()
-    full = service_env(redis_server.url, TEST_MODELS, f"l{uuid.uuid4().hex[:8]}",
-                       CONVEYOR_HTTP_PORT=str(port), CONVEYOR_GRPC_PORT=str(free_port()), **env)
-    return Proc(f"{name}-{port}", [sys.executable, "-m", "api.serve"], full, logdir), port
-
-
-def wait_live(proc: Proc, url: str, verify: ssl.SSLContext | bool = True) -> None:
-    try:
-        wait_for(lambda: httpx.get(f"{url}/v2/health/live", verify=verify).status_code == 200,
-                 60, f"{proc.name} to go live")
-    except AssertionError:
-        proc.stop()
-        raise AssertionError(proc.log()) from None
-
-
-def connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.settimeout(0.1)
-    return sock
-
-
-def closed(sock: socket.socket) -> bool:
-    """The server closed the connection (anything it sent first is discarded)."""
-    try:
-        while data := sock.recv(65536):
-            del data
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
-def trickle_until_closed(sock: socket.socket, chunk: bytes, every_s: float, limit_s: float) -> float:
-    """Send ``chunk`` every ``every_s`` until the server closes; seconds until then."""
-    started = time.monotonic()
-    while time.monotonic() - started < limit_s:
-        try:
-            sock.sendall(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            return time.monotonic() - started
-        deadline = time.monotonic() + every_s
-        while time.monotonic() < deadline:
-            if closed(sock):
-                return time.monotonic() - started
-    raise AssertionError(f"connection still open after {limit_s} s")
-
-
-def read_response(sock: socket.socket, limit_s: float = 10) -> bytes:
-    """One response with a Content-Length body (the connection stays open)."""
-    data = b""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            chunk = None
-        if chunk == b"":
-            return data
-        data += chunk or b""
-        head, sep, body = data.partition(b"\r\n\r\n")
-        if sep:
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            if len(body) >= length:
-                return data
-    raise AssertionError(f"no complete response within {limit_s} s: {data!r}")
-
-
-LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n"
-
-# --- HTTP timeouts -------------------------------------------------------------------------
-
-HEADER_TIMEOUT_S = 3.0
-BODY_TIMEOUT_S = 2.0
-KEEPALIVE_S = 0.3
-MARGIN_S = 3.0
-"""Slack for a busy host: a timeout fires within its setting plus this."""
-
-
-@pytest.fixture(scope="module")
-def timed_api(redis_server: RedisServer, logdir: Path) -> Iterator[int]:
-    proc, port = start_serve(redis_server, logdir, "timed",
-                             CONVEYOR_HTTP_HEADER_TIMEOUT_S=str(HEADER_TIMEOUT_S),
-                             CONVEYOR_HTTP_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S),
-                             CONVEYOR_HTTP_KEEPALIVE_S=str(KEEPALIVE_S))
-    wait_live(proc, f"http://127.0.0.1:{port}")
-    yield port
-    proc.stop()
-
-
-def test_http_listens_on_loopback_only_by_default(timed_api: int) -> None:
-    assert listening_hosts(timed_api) == {"127.0.0.1"}
-
-
-def test_trickled_headers_are_cut_off_at_the_header_timeout(timed_api: int) -> None:
-    with connect(timed_api) as sock:
-        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n")
-        took = trickle_until_closed(sock, b"X-Slow: 1\r\n", 0.5, HEADER_TIMEOUT_S + MARGIN_S)
-    assert took >= HEADER_TIMEOUT_S - 0.6
-
-
-def test_the_header_timeout_restarts_after_each_response(timed_api: int) -> None:
-    """Every byte resets the keep-alive timer; the header timer still runs from the answer."""
-    with connect(timed_api) as sock:
-        sock.sendall(LIVE)
-        assert read_response(sock).startswith(b"HTTP/1.1 200")
-        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
-        took = trickle_until_closed(sock, b"X-Slow: 1\r\n", 0.1, HEADER_TIMEOUT_S + MARGIN_S)
-    assert took >= HEADER_TIMEOUT_S - 0.6
-
-
-def test_idle_keepalive_connections_are_closed(timed_api: int) -> None:
-    with connect(timed_api) as sock:
-        sock.sendall(LIVE)
-        assert read_response(sock).startswith(b"HTTP/1.1 200")
-        answered = time.monotonic()
-        sock.sendall(LIVE)  # a second request on the same connection is served
-        assert read_response(sock).startswith(b"HTTP/1.1 200")
-        while not closed(sock):
-            assert time.monotonic() - answered < HEADER_TIMEOUT_S - 0.5, "idle connection kept"
-
-
-def test_a_slow_body_gets_408(timed_api: int) -> None:
-    with connect(timed_api) as sock:
-        sock.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: t\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
-        started = time.monotonic()
-        answer = b""
-        while not answer:
-            assert time.monotonic() - started < BODY_TIMEOUT_S + MARGIN_S, "no 408"
-            sock.sendall(b" ")
-            time.sleep(0.2)
-            try:
-                answer = sock.recv(65536)
-            except TimeoutError:
-                continue
-    assert answer.startswith(b"HTTP/1.1 408"), answer
-    assert b'"error"' in answer and b"connection: close" in answer.lower()
-    assert time.monotonic() - started >= BODY_TIMEOUT_S - 0.6
-
-
-def test_a_complete_body_in_time_is_not_cut(timed_api: int) -> None:
-    response = httpx.post(f"http://127.0.0.1:{timed_api}/v2/repository/index", json={})
-    assert response.status_code != 408
-
-
-# --- HTTP connection and header limits -----------------------------------------------------
-
-MAX_CONNECTIONS = 4
-
-
-@pytest.fixture(scope="module")
-def limited_api(redis_server: RedisServer, logdir: Path) -> Iterator[int]:
-    proc, port = start_serve(redis_server, logdir, "limited",
-                             CONVEYOR_HTTP_MAX_CONNECTIONS=str(MAX_CONNECTIONS))
-    wait_live(proc, f"http://127.0.0.1:{port}")
-    yield port
-    proc.stop()
-
-
-def test_connections_beyond_the_limit_are_closed_at_once(limited_api: int) -> None:
-    time.sleep(0.5)  # earlier connections (the fixture's probes) are gone by now
-    held = [connect(limited_api) for _ in range(MAX_CONNECTIONS)]
-    try:
-        for sock in held:  # each is open and served, so each holds a slot
-            sock.sendall(LIVE)
-            assert read_response(sock).startswith(b"HTTP/1.1 200")
-        extra = connect(limited_api)
-        with extra:
-            wait_for(lambda: closed(extra), 5, "the connection over the limit to be closed")
-        held[0].sendall(LIVE)  # those within the limit are still served
-        assert read_response(held[0]).startswith(b"HTTP/1.1 200")
-    finally:
-        for sock in held:
-            sock.close()
-    wait_for(lambda: httpx.get(f"http://127.0.0.1:{limited_api}/v2/health/live",
-                               timeout=2).status_code == 200, 10, "a free connection slot")
-
-
-def test_oversized_request_headers_get_431(limited_api: int) -> None:
-    padding = b"a" * (MAX_HEADER_BYTES + 1)
-    with connect(limited_api) as sock:
-        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nX-Big: " + padding + b"\r\n\r\n")
-        assert read_response(sock).startswith(b"HTTP/1.1 431")
-    response = httpx.get(f"http://127.0.0.1:{limited_api}/v2/health/live",
-                         headers={"X-Fine": "a" * 1000})
-    assert response.status_code == 200
-
 
 # --- TLS -----------------------------------------------------------------------------------
 
