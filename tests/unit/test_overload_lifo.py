@@ -1,0 +1,99 @@
+"""Past capacity with ``batching.overload: lifo`` (the adaptive policy's default): a
+standing queue is served newest first, and what cannot be answered within the latency
+target is answered at once, whatever the request's own timeout; the queue drained, the
+order of deadlines comes back."""
+
+from __future__ import annotations
+
+import time
+
+from batching.envelope import Request
+from batching.former import BatchFormer, Entry
+from batching.policy import FixedWindow
+from tests.unit.test_shedding import REPLY, make_loop, request, teach
+
+NOW = 1_000_000.0
+
+
+def entry(n: int, enq_ago_s: float, timeout_s: float = 30.0, prio: int = 1) -> Entry:
+    enq = NOW - enq_ago_s
+    req = Request(str(n), "r", int((enq + timeout_s) * 1000), enq * 1000, prio, [])
+    return Entry("s", str(n), req, NOW)
+
+
+def order(former: BatchFormer) -> list[str]:
+    return [e.entry_id for e in former.take("test", 64).entries]
+
+
+def former(lifo: bool = True) -> BatchFormer:
+    return BatchFormer(FixedWindow(64), 64, target_s=0.05, lifo=lifo)
+
+
+def test_a_request_is_scheduled_against_the_sooner_of_its_deadline_and_the_target() -> None:
+    f = former()
+    # 1: enqueued 10 ms ago, 1 s timeout: due in 40 ms (the target). 2: 5 ms ago, 20 ms
+    # timeout: due in 15 ms (its own). 3: 30 ms ago: due in 20 ms.
+    f.add([entry(1, 0.010, 1.0), entry(2, 0.005, 0.020), entry(3, 0.030, 30.0)])
+    assert f.due(f._pending[0]) == NOW - 0.005 + 0.020
+    assert order(f) == ["2", "3", "1"]
+    plain = BatchFormer(FixedWindow(64), 64)  # no target: its own deadline only
+    plain.add([entry(1, 0.010, 1.0), entry(2, 0.005, 0.020), entry(3, 0.030, 30.0)])
+    assert order(plain) == ["2", "1", "3"]
+
+
+def test_past_capacity_lifo_serves_the_newest_first_within_a_level() -> None:
+    for lifo, expected in ((True, ["2", "1", "4", "3"]), (False, ["1", "2", "3", "4"])):
+        f = former(lifo)
+        f.add([entry(1, 0.040, prio=1), entry(2, 0.001, prio=1),
+               entry(3, 0.030, prio=2), entry(4, 0.002, prio=2)])
+        f.overload(True)
+        assert order(f) == expected, lifo
+    f = former()
+    f.add([entry(1, 0.040), entry(2, 0.001)])
+    f.overload(True)
+    f.overload(False)  # the queue drained: the order of deadlines again
+    assert order(f) == ["1", "2"]
+
+
+def test_past_capacity_what_cannot_make_the_target_is_refused_at_once() -> None:
+    loop, streams, model = make_loop(adaptive=True, target_ms=100.0, overload="lifo")
+    teach(loop, 0.010)  # t(n) = 10 ms; the reserve, 30% of the target: a 40 ms horizon
+    old = [request(60.0) for _ in range(9)]  # more than the 8 rows the process holds
+    for each in old:
+        streams.put(each)
+    loop.step()
+    assert not loop.expiry.overloaded  # a backlog, but not yet as long as the target
+    time.sleep(0.12)  # it outlasts the target; the 9th request has waited 120 ms
+    soon, fresh = request(0.03), [request(60.0) for _ in range(7)]
+    for each in (soon, *fresh):
+        streams.put(each)
+    loop.step()
+    got = {r.id: r for r in streams.replies(REPLY)}
+    assert loop.expiry.overloaded and loop.former.overloaded
+    assert got[old[-1].id].error_code == "overloaded"  # its own 60 s have not passed
+    assert "latency target" in got[old[-1].id].error
+    assert got[soon.id].error_code == "deadline_exceeded"  # its own deadline is sooner
+    assert model.ran == [8, 6] and all(got[each.id].ok for each in fresh[:6])
+    assert streams.stats["shed_count"] == 2
+    assert loop.expiry.room(8) == 64  # past capacity every read takes in the newest too
+    loop.step()  # the last fresh one, read alone: the queue drained
+    assert [(r.id, r.ok) for r in streams.replies(REPLY)] == [(fresh[-1].id, True)]
+    assert not loop.expiry.overloaded and not loop.former.overloaded
+    assert loop.expiry.room(8) == 8
+
+
+def test_fifo_keeps_the_order_of_deadlines_and_refuses_only_by_them() -> None:
+    loop, streams, model = make_loop(adaptive=True, target_ms=100.0, overload="fifo")
+    teach(loop, 0.010)
+    old = [request(60.0) for _ in range(9)]
+    for each in old:
+        streams.put(each)
+    loop.step()
+    time.sleep(0.12)
+    fresh = [request(60.0) for _ in range(7)]
+    for each in fresh:
+        streams.put(each)
+    loop.step()
+    got = {r.id: r for r in streams.replies(REPLY)}
+    assert got[old[-1].id].ok and model.ran == [8, 8]  # the oldest first, late but run
+    assert loop.expiry.overloaded and loop.expiry.room(8) == 8  # no reads beyond a batch
