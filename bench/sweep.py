@@ -3,7 +3,8 @@ under open-loop Poisson and on/off arrivals, with the simulator's prediction bes
 
 Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny,device] [--loads 10,30,50,70,85,95,110,125]
                              [--fixed 0,1000,2000,5000,10000,20000] [--arrivals poisson,on-off]
-                             [--point-s 4] [--warmup-s 1] [--target-ms 50] [--max-lag-ms 5]
+                             [--point-s 4] [--warmup-s 1] [--target-ms 50] [--timeout-ms T]
+                             [--max-lag-ms 5]
                              [--repeats 1] [--slices 1] [--out bench/RESULTS-batching.md]
 
 Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the
@@ -17,8 +18,8 @@ by slice, every policy given the same arrivals in its k-th slice, pooled: this h
 drifts by 10-25% within a minute, even idle, and at loads near capacity that alone moves a
 point's goodput by more than the policies differ; in short turns over the same stretch of
 time, every policy meets the same drift. Requests carry
-``parameters.timeout`` = the latency target: a client that wants its answer within the target
-says so. Goodput = answers with status 200 within the target, per second. The generator
+``parameters.timeout`` = the latency target (a client that wants its answer within the target
+says so), or ``--timeout-ms``. Goodput = answers with status 200 within the target, per second. The generator
 (bench.open_loop) reports its own CPU and send lag; a point whose send lag p99 exceeds
 ``--max-lag-ms`` is refused (marked, and left out of the verdict). The simulator
 (bench.scheduler_sim.run_loop) gets the same send times, a device with the learned ``t(n)`` and
@@ -198,6 +199,11 @@ def run_slice(stack: Stack, setting: Setting, pattern: str, share: float, capaci
                               max_rows(stack.model)))
 
 
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``ordered``; NaN when empty."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def point_of(setting: Setting, pattern: str, share: float, slices: list[Slice],
              args: argparse.Namespace) -> Point:
     """One policy's point: its slices' requests pooled."""
@@ -208,10 +214,11 @@ def point_of(setting: Setting, pattern: str, share: float, slices: list[Slice],
         setting=setting.label, pattern=pattern, share=share, offered=out.sent / measured_s,
         goodput=out.good(args.target_ms) / measured_s,
         predicted=sum(piece.predicted for piece in slices) / len(slices),
-        p99_ms=ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))] if ok_ms else float("nan"),
+        p99_ms=percentile(ok_ms, 0.99),
         ok=out.count(200), late_or_shed=out.count(504), other=len(out.statuses) - out.count(200)
-        - out.count(504) + out.lost, gen_cpu=out.cpu_share, lag_p99_ms=out.lag_p99_ms(),
-        refused=out.lag_p99_ms() > args.max_lag_ms)
+        - out.count(503) - out.count(504), gen_cpu=out.cpu_share, lag_p99_ms=out.lag_p99_ms(),
+        refused=out.lag_p99_ms() > args.max_lag_ms, overloaded=out.count(503), lost=out.lost,
+        p99_all_ms=percentile(sorted(out.latencies_ms), 0.99))
     print(f"  {point.line()}", file=sys.stderr, flush=True)
     return point
 
@@ -240,7 +247,7 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
     load, every policy in turn, the order rotated from one point to the next. A host whose
     speed drifts over the sweep then favours no policy: run one after the other, the last
     policy met a different host than the first."""
-    body = request_body(model, int(args.target_ms * 1000))
+    body = request_body(model, int(args.timeout_ms * 1000))
     adaptive = Setting(True, 0)
     settings = [adaptive, *(Setting(False, d) for d in args.fixed)]
     exported = work / "exported"
@@ -305,6 +312,8 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--capacity-s", type=float, default=5.0)
     parser.add_argument("--target-ms", type=float, default=50.0)
+    parser.add_argument("--timeout-ms", type=float, default=None,
+                        help="each request's parameters.timeout (default: the target)")
     parser.add_argument("--max-lag-ms", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds per pattern and load; a policy's point is its median run")
@@ -313,6 +322,8 @@ def main() -> None:
                              "--point-s, the policies taking turns slice by slice, pooled")
     parser.add_argument("--out", type=Path, default=base.ROOT / "bench" / "RESULTS-batching.md")
     args = parser.parse_args()
+    if args.timeout_ms is None:
+        args.timeout_ms = args.target_ms
     started_at = datetime.now(UTC)
     load0 = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     results = []

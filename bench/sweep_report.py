@@ -50,11 +50,18 @@ class Point:
     runs: tuple[float, ...] = ()
     """With ``--repeats``: the goodput of each run of this policy at this point, in the
     order they ran (the point's other figures are its median run's)."""
+    overloaded: int = 0
+    """Answered 503 (refused: past capacity, or the API behind)."""
+    lost: int = 0
+    """Sent and never answered (the connection closed, or no answer by the end)."""
+    p99_all_ms: float = math.nan
+    """p99 of every answer, whatever its status."""
 
     def line(self) -> str:
         return (f"{self.setting:<12} {self.pattern:<8} {self.share:>5.0%}: offered {self.offered:6.0f} "
                 f"goodput {self.goodput:6.0f} (sim {self.predicted:6.0f}) p99 {self.p99_ms:7.1f} ms "
-                f"200/504/other {self.ok}/{self.late_or_shed}/{self.other} gen cpu "
+                f"(all {self.p99_all_ms:.1f}) 200/503/504/other/lost {self.ok}/{self.overloaded}/"
+                f"{self.late_or_shed}/{self.other}/{self.lost} gen cpu "
                 f"{self.gen_cpu:.0%} lag p99 {self.lag_p99_ms:.1f} ms" + (" REFUSED" if self.refused else ""))
 
 
@@ -107,11 +114,12 @@ def table(points: Sequence[Point]) -> list[str]:
     runs = any(len(p.runs) > 1 for p in points)
     out = ["| policy | pattern | load | offered req/s | goodput req/s | "
            + ("goodput of each run | " if runs else "") + "simulator req/s | p99 ms (200s) | "
-           "200 / 504 / other | generator CPU | send lag p99 ms |",
-           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if runs else "")]
+           "p99 ms (all) | 200 / 503 / 504 / other / lost | generator CPU | send lag p99 ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if runs else "")]
     return out + [f"| {p.setting} | {p.pattern} | {p.share:.0%} | {fmt(p.offered)} | {fmt(p.goodput)} | "
                   + (" / ".join(fmt(g) for g in p.runs) + " | " if runs else "")
-                  + f"{fmt(p.predicted)} | {fmt(p.p99_ms, 1)} | {p.ok} / {p.late_or_shed} / {p.other} | "
+                  + f"{fmt(p.predicted)} | {fmt(p.p99_ms, 1)} | {fmt(p.p99_all_ms, 1)} | "
+                  f"{p.ok} / {p.overloaded} / {p.late_or_shed} / {p.other} / {p.lost} | "
                   f"{p.gen_cpu:.0%} | {p.lag_p99_ms:.1f}" + (" (refused)" if p.refused else "") + " |"
                   for p in points]
 
@@ -132,11 +140,12 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         f"policies take turns, in an order rotated from one point to the next; each model's "
         f"`config.yaml` holds only `batching: {{max_queue_delay_us, "
         f"adaptive, latency_target_ms: {args.target_ms:g}}}` (adaptive: max_queue_delay_us 20000, "
-        "a bound, not a wait; the device model's also declares its tensors: "
+        "a bound, not a wait, and `overload` left at its default, `lifo`; the device model's "
+        "also declares its tensors: "
         "bench/device_model.py, a batch of n rows sleeps 8 ms + 0.5 ms·n)",
         f"- load: bench.open_loop, keep-alive HTTP/1.1 connections opened in advance (a request "
         "that finds all busy opens one more, beside the send loop), one JSON "
-        f"request (one row) encoded once, `parameters.timeout` = {args.target_ms:g} ms; "
+        f"request (one row) encoded once, `parameters.timeout` = {args.timeout_ms:g} ms; "
         f"{args.warmup_s:g} s warm-up then {args.point_s:g} s measured per point; latency from the "
         f"scheduled send time; goodput = 200s within {args.target_ms:g} ms per second; a point whose "
         f"send lag p99 exceeds {args.max_lag_ms:g} ms is refused",
