@@ -12,6 +12,12 @@ either mode (``conveyor models`` writes it too).
 
 A model whose configuration fails stays in ``failed`` with the reason, and the index
 shows it UNAVAILABLE; every other model serves.
+
+A load that changes the configuration of a model whose workers serve it is a reload: the
+registry keeps the configuration that serves until processes running the new one are
+ready (the workers start them beside the serving ones). If a worker reports that they
+failed, the model stays as it was: the loading process records the previous
+configuration again and answers the failure.
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ class Repository:
         self._control = control
         self._seen: dict[str, bytes] = {}
         """The hash value last applied per model: only changes are acted on."""
+        self._pending: dict[str, tuple[ModelConfig, str, float]] = {}
+        """A reload the workers stage, per model: its configuration, its digest and when it
+        was recorded."""
         self._loop = Periodic("conveyor-repository-watch", interval_s, self.sync)
 
     async def start(self) -> None:
@@ -123,22 +132,56 @@ class Repository:
                 self._drop(name)
             elif record.state == "loaded":
                 try:
-                    self._add(name, await asyncio.to_thread(load_model_config, folder,
-                                                            record.config))
+                    config = await asyncio.to_thread(load_model_config, folder, record.config)
                 except Exception as exc:  # one model's config never stops the others
                     self._failed[name] = failure_reason(folder, exc)
                     log.error("cannot load %s: %s", name, self._failed[name])
+                    continue
+                if not self._stage(name, config, config_digest(record.config), record.ts):
+                    self._add(name, config)
+        self._settle()
+
+    def _stage(self, name: str, config: ModelConfig, digest: str, at: float) -> bool:
+        """Hold ``config`` back while the model's workers serve another: whether it is a
+        reload (the registry switches once they are ready, in :meth:`_settle`)."""
+        if (name not in self._models or not self._watch.model_ready(name)
+                or self._watch.ready_with(name, digest)):
+            return False
+        self._pending[name] = (config, digest, at)
+        return True
+
+    def _settle(self) -> None:
+        """Switch to the configuration of a reload once its processes are ready; keep the
+        one that serves if they failed."""
+        for name, (config, digest, at) in list(self._pending.items()):
+            if self._watch.ready_with(name, digest):
+                self._add(name, config)
+            elif (reason := self._reload_failure(name, digest, at)) is not None:
+                del self._pending[name]
+                log.error("reloading %s failed, its loaded version serves: %s", name, reason)
+
+    def _reload_failure(self, name: str, digest: str, since: float) -> str | None:
+        """Why a worker failed to load the model with the configuration of ``digest`` after
+        ``since`` (epoch seconds), if one reported it."""
+        workers = self._watch.view.get(name)
+        for beat in workers.states if workers is not None else []:
+            if (beat.get("state") == "failed" and beat.get("config", "") == digest
+                    and float(beat.get("since", 0)) > since):
+                return str(beat.get("reason") or "it failed to load")
+        return None
 
     def _serves(self, name: str) -> bool:
         return not self._only or name in self._only
 
     def _add(self, name: str, config: ModelConfig) -> None:
+        self._pending.pop(name, None)
         self._models[name] = config
         self._unloaded.discard(name)
         self._failed.pop(name, None)
         log.info("model %s loaded", name)
 
     def _drop(self, name: str) -> None:
+        self._pending.pop(name, None)
         self._models.pop(name, None)
         self._failed.pop(name, None)
         self._unloaded.add(name)
@@ -167,7 +210,8 @@ class Repository:
     async def load(self, name: str, config_json: str | None = None) -> None:
         """Read the model's folder again (with ``config_json``, a ModelConfig in Triton's
         JSON form, in place of its configuration file), mark it loaded, and wait until a
-        worker serves it, or reports that it failed to load."""
+        worker serves it, or reports that it failed to load. A failed reload leaves the
+        model as it was, its previous configuration recorded again."""
         folder = self._folder(name)
         if not is_model_folder(folder):
             raise unknown_model(name)
@@ -177,23 +221,39 @@ class Repository:
         except ConfigError as exc:  # the client's config: reported to it, the model unchanged
             if config_json is None:
                 self._failed[name] = failure_reason(folder, exc)
-            raise InvalidInput(f"load failed for model {name!r}: "
+            raise InvalidInput(f"failed to load model {name!r}: "
                                f"{failure_reason(folder, exc)}") from None
         except Exception as exc:  # the folder's fault, reported to the caller
             self._failed[name] = failure_reason(folder, exc)
-            raise InvalidInput(f"load failed for model {name!r}: {self._failed[name]}") from None
+            raise InvalidInput(f"failed to load model {name!r}: {self._failed[name]}") from None
+        previous = parse_record(self._seen.get(name)).config
+        digest = config_digest(override)
         recorded = await self._record(name, "loaded", override)
-        self._add(name, config)
+        reload = self._stage(name, config, digest, recorded)
+        if not reload:
+            self._add(name, config)
         deadline = time.monotonic() + LOAD_READY_TIMEOUT_S
-        while not self._watch.ready_with(name, config_digest(override)):
-            failure = self._watch.failure(name)
-            if failure is not None and failure[0] > recorded:
-                raise InvalidInput(f"load failed for model {name!r}: {failure[1]}")
+        while not self._watch.ready_with(name, digest):
+            failure = self._load_failure(name, digest, recorded, reload)
+            if failure is not None:
+                if reload:
+                    self._pending.pop(name, None)
+                    await self._record(name, "loaded", previous)
+                raise InvalidInput(f"failed to load model {name!r}: {failure}")
             if time.monotonic() > deadline:
                 raise Unavailable(f"model {name!r} is loaded but no worker reported it ready "
                                   f"within {LOAD_READY_TIMEOUT_S:.0f} s")
             await asyncio.sleep(READY_POLL_S)
             await self._watch.refresh()
+        self._add(name, config)
+
+    def _load_failure(self, name: str, digest: str, since: float, reload: bool) -> str | None:
+        """Why the load recorded at ``since`` failed, once a worker reported it: for a
+        reload, its new processes; otherwise any, while none is ready."""
+        if reload:
+            return self._reload_failure(name, digest, since)
+        failure = self._watch.failure(name)
+        return failure[1] if failure is not None and failure[0] > since else None
 
     async def unload(self, name: str) -> None:
         """Stop accepting requests for ``name``; in-flight ones finish."""

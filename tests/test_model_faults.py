@@ -227,7 +227,7 @@ def test_load_answers_when_a_worker_reports_failure(api: Api) -> None:
     loading.join(10)
     assert time.monotonic() - started < 5
     assert answers[0].status_code == 400
-    assert answers[0].json() == {"error": "load failed for model 'echo': echo: RuntimeError: boom"}
+    assert answers[0].json() == {"error": "failed to load model 'echo': echo: RuntimeError: boom"}
 
 
 def test_control_mode_none_refuses_load_and_unload(redis_server: RedisServer,
@@ -293,7 +293,7 @@ def test_a_model_that_raises_while_loading_fails_alone(make_stack: MakeStack, tm
     started = time.monotonic()
     answer = httpx.post(f"{stack.url}/v2/repository/models/boom/load", timeout=150)
     assert answer.status_code == 400
-    assert answer.json() == {"error": f"load failed for model 'boom': {reason}"}
+    assert answer.json() == {"error": f"failed to load model 'boom': {reason}"}
     assert time.monotonic() - started < 30
 
     client = stack.redis()

@@ -49,14 +49,16 @@ def attach(supervisor: Supervisor | None) -> None:
 
 def worker_info() -> dict[str, str]:
     """``conveyor_models`` and one ``conveyor_slot <model>/<device>/<index>`` per inference
-    process (flat text, as Flower's worker page shows each value on one line)."""
+    process, `` staged`` after it for one a reload starts beside them (flat text, as
+    Flower's worker page shows each value on one line)."""
     if _supervisor is None:
         return {}
     slots = [s for s in _supervisor.slots if not s.retired]
     info = {"conveyor_models": ", ".join(sorted({s.model for s in slots})) or "none"}
     for slot in slots:
         pid = slot.process.pid if slot.process is not None else None
-        info[f"conveyor_slot {slot.model}/{slot.device}/{slot.index}"] = (
+        staged = " staged" if slot.staged else ""
+        info[f"conveyor_slot {slot.model}/{slot.device}/{slot.index}{staged}"] = (
             f"{slot.state}, pid {pid}, {slot.restarts} restarts")
     return info
 

@@ -9,24 +9,26 @@ and retried slowly; its heartbeat then carries the reason. The Celery main proce
 exits because a model failed, so a broken model cannot crash-loop the pod. Repository
 load/unload requests (a Redis hash) start and stop a model's processes; a name there that
 is not a model folder of this worker's repository is ignored.
+
+A load that changes a served model's configuration is staged beside the processes that
+serve it, which stop only once every new one is ready; if one fails to load, the reload is
+abandoned and the model keeps its processes and configuration.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import math
 import multiprocessing
-import os
-import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from batching.backoff import Backoff
 from batching.config import ModelConfig
 from batching.keys import Keys
 from batching.names import model_folder
@@ -34,6 +36,7 @@ from batching.redis_errors import REDIS_FAILED
 from batching.redis_topology import sync_redis
 from batching.repository_scan import (
     as_text,
+    config_digest,
     failure_reason,
     load_model_config,
     parse_record,
@@ -48,12 +51,11 @@ from batching.settings import Settings
 from batching.tensor_arena import host_token
 from workers.process import serve
 from workers.shared_state import ProcState, SharedState
+from workers.slot import Slot, retry_failed
 from workers.unload import turn_away
 
 log = logging.getLogger("conveyor.supervisor")
 
-BACKOFF_START_S = 0.5
-BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 30.0
 """A process that has lived this long resets its slot's back-off."""
 MAX_LOAD_FAILURES = 5
@@ -65,53 +67,6 @@ STOP_GRACE_S = 20.0
 REASON_BYTES = 512
 """Room for the one line an inference process reports when loading its model raised."""
 TICK_S = 0.2
-
-
-@dataclass(slots=True)
-class Slot:
-    """One model instance: the process now serving it and its restart history."""
-
-    model: str
-    device: str
-    index: int
-    execution_timeout_s: float
-    process: BaseProcess | None = None
-    shared: SharedState | None = None
-    started: float = 0.0
-    kill_at: float = 0.0
-    restarts: int = 0
-    load_failures: int = 0
-    backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_START_S, BACKOFF_MAX_S))
-    next_start: float = 0.0
-    failed: bool = False
-    failed_at: float = 0.0
-    """Epoch seconds when the slot was marked failed."""
-    reason: str = ""
-    """Why it failed, published in its heartbeat."""
-    failure: Any = None
-    """The shared buffer its process writes a load failure into."""
-    retired: bool = False
-
-    @property
-    def ready(self) -> bool:
-        return (self.process is not None and self.process.is_alive() and not self.kill_at
-                and self.shared is not None and self.shared.state == ProcState.READY)
-
-    @property
-    def state(self) -> str:
-        """``failed``, ``restarting`` or ``starting`` (no process now), ``stopping`` (being
-        killed or draining), ``loading`` or ``ready``."""
-        if self.failed:
-            return "failed"
-        if self.process is None or not self.process.is_alive() or self.shared is None:
-            return "restarting" if self.restarts else "starting"
-        if self.kill_at or self.shared.state == ProcState.STOPPING:
-            return "stopping"
-        return "ready" if self.shared.state == ProcState.READY else "loading"
-
-    @property
-    def name(self) -> str:
-        return f"{socket.gethostname()}:{os.getpid()}:{self.model}:{self.device}:{self.index}:slot"
 
 
 class Supervisor:
@@ -134,6 +89,9 @@ class Supervisor:
         """Why a recorded name was not loaded (logged once per reason)."""
         self._overrides: dict[str, dict[str, Any] | None] = {}
         """The configuration a repository load gave per model, which its processes run."""
+        self._staged: dict[str, ModelConfig] = {}
+        """The configuration of a reload being staged, per model."""
+        self._generations = itertools.count(1)
         self._ctx = multiprocessing.get_context("spawn")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="conveyor-supervisor",
@@ -152,8 +110,8 @@ class Supervisor:
 
     def ready(self) -> bool:
         """Every active slot is ready or has failed (a failed model is settled, as the
-        API's readiness counts it)."""
-        active = [s for s in self.slots if not s.retired]
+        API's readiness counts it); a reload being staged does not count."""
+        active = [s for s in self.slots if not s.retired and not s.staged]
         return bool(active) and all(s.ready or s.failed for s in active)
 
     def alive(self) -> bool:
@@ -180,20 +138,25 @@ class Supervisor:
         except REDIS_FAILED as exc:
             log.warning("could not check the recorded repository state: %s", exc)
 
-    def _add_slots(self, config: ModelConfig) -> None:
-        """The model's slots; none when it has slots already (a load is idempotent)."""
-        if any(s.model == config.name and not s.retired for s in self.slots):
+    def _add_slots(self, config: ModelConfig, override: dict[str, Any] | None = None,
+                   generation: int = 0) -> None:
+        """The model's slots; none when it has slots already (a load is idempotent), unless
+        they are a reload's (``generation`` above 0), staged beside them."""
+        if not generation and any(s.model == config.name and not s.retired
+                                  for s in self.slots):
             return
         for group in config.instances:
             for i in range(group.count):
-                self.slots.append(Slot(config.name, group.device, i, config.execution_timeout_s))
+                self.slots.append(Slot(config.name, group.device, i, config.execution_timeout_s,
+                                       override, staged=bool(generation),
+                                       generation=generation))
 
     def _spawn(self, slot: Slot) -> None:
         slot.shared = SharedState(self._ctx)
         slot.failure = self._ctx.Array("c", REASON_BYTES)
         process = self._ctx.Process(target=serve,
                                     args=(slot.model, slot.device, slot.index, slot.shared,
-                                          slot.failure, self._overrides.get(slot.model)),
+                                          slot.failure, slot.override),
                                     name=f"conveyor-{slot.model}-{slot.index}", daemon=False)
         process.start()
         slot.process, slot.started, slot.kill_at = process, time.monotonic(), 0.0
@@ -205,6 +168,8 @@ class Supervisor:
             now = time.monotonic()
             for slot in self.slots:
                 self._check(slot, now)
+            for model in {s.model for s in self.slots if s.staged and not s.retired}:
+                self._settle(model)
             if now >= self._next_beat:
                 self._next_beat = now + self.settings.heartbeat_interval_s
                 self._sync_with_redis()
@@ -274,7 +239,8 @@ class Supervisor:
     def _slot_beat(self, slot: Slot) -> str:
         state = "failed" if slot.failed else "restarting" if slot.restarts else "loading"
         beat = {"state": state, "model": slot.model, "device": slot.device,
-                "restarts": slot.restarts, "ts": time.time()}
+                "restarts": slot.restarts, "ts": time.time(),
+                "config": config_digest(slot.override)}
         if self._shm is not None:  # its process, of this host and user, will read the arenas
             beat["shm"] = self._shm
         if slot.failed:
@@ -306,6 +272,9 @@ class Supervisor:
             pipe.execute()
         except REDIS_FAILED as exc:
             log.debug("Redis unreachable from the supervisor: %s", exc)
+            return
+        # Their heartbeats are gone now: forget retired slots whose process has exited.
+        self.slots = [s for s in self.slots if not (s.retired and s.process is None)]
 
     def _apply_repository(self, states: Mapping[bytes | str, bytes | str]) -> None:
         for raw_name, raw in states.items():
@@ -320,16 +289,15 @@ class Supervisor:
             slots = [s for s in self.slots if s.model == model]
             if state == "unloaded" and any(not s.retired for s in slots):
                 log.info("unloading %s", model)
+                self._staged.pop(model, None)
                 for slot in slots:
                     slot.retired = True
                 threading.Thread(target=self._unload, daemon=True,
                                  args=(model, [s.process for s in slots if s.process])).start()
             elif state == "loaded" and (not slots or all(s.retired for s in slots)):
                 self._load(model, slots, record.config)
-            elif state == "loaded" and changed and record.config != self._overrides.get(model):
-                self._restart(model, slots)
             elif state == "loaded" and changed:
-                _retry_failed(slots)
+                self._reload(model, slots, record.config)
 
     def _refuse(self, model: str, reason: str) -> None:
         """Log, once per reason, why a recorded model is not served."""
@@ -347,14 +315,47 @@ class Supervisor:
         except (*REDIS_FAILED, RespError) as exc:
             log.warning("could not answer the unread requests of %s: %s", model, exc)
 
-    def _restart(self, model: str, slots: list[Slot]) -> None:
-        """A load with another configuration: stop the model's processes (what they left
-        unread waits in its streams), then load it again on a later tick."""
-        log.info("reloading %s with a new configuration", model)
-        for slot in slots:
-            slot.retired = True
-        threading.Thread(target=_stop_processes, daemon=True,
-                         args=([s.process for s in slots if s.process],)).start()
+    def _reload(self, model: str, slots: list[Slot], override: dict[str, Any] | None) -> None:
+        """A new load of a served model: a reload still staged is dropped; a load of the
+        configuration its processes run retries its failed slots, one of another starts
+        slots running it beside them (see :meth:`_settle`)."""
+        _retire([s for s in slots if s.staged and not s.retired])
+        self._staged.pop(model, None)
+        if override == self._overrides.get(model):
+            retry_failed([s for s in slots if not s.staged])
+            return
+        folder = self.settings.model_repository / model
+        try:
+            config = load_model_config(folder, override)
+        except Exception as exc:  # the serving processes stay
+            self._refuse(model, failure_reason(folder, exc))
+            return
+        self._refused.pop(model, None)
+        log.info("reloading %s with a new configuration beside its serving processes", model)
+        self._staged[model] = config
+        self._add_slots(config, override, next(self._generations))
+
+    def _settle(self, model: str) -> None:
+        """A staged reload whose slots are all ready replaces the slots that serve (they
+        stop, finishing what they hold; their unread requests go to the new ones); one
+        whose slot failed is abandoned: the others stop, the failed one stays to publish
+        why (never restarted: the next load decides)."""
+        staged = [s for s in self.slots if s.model == model and s.staged and not s.retired]
+        if any(s.failed for s in staged):
+            if model in self._staged:
+                del self._staged[model]
+                log.error("reloading %s failed; its serving processes stay: %s", model,
+                          next(s.reason for s in staged if s.failed))
+            for slot in staged:
+                slot.next_start = math.inf
+            _retire([s for s in staged if not s.failed])
+        elif all(s.ready for s in staged) and model in self._staged:
+            _retire([s for s in self.slots if s.model == model and not s.staged])
+            for slot in staged:
+                slot.staged = False
+            self.models[model] = self._staged.pop(model)
+            self._overrides[model] = staged[0].override
+            log.info("reloaded %s: its new processes serve", model)
 
     def _load(self, model: str, old: list[Slot], override: dict[str, Any] | None) -> None:
         if self.settings.model_filter() and model not in self.settings.model_filter():
@@ -371,18 +372,18 @@ class Supervisor:
         self.slots = [s for s in self.slots if s.model != model]
         self.models[model] = config
         self._overrides[model] = override
-        self._add_slots(config)
+        self._add_slots(config, override)
         log.info("loaded %s", model)
 
 
-def _retry_failed(slots: list[Slot]) -> None:
-    """A new load of a model whose slots failed starts them again now."""
+def _retire(slots: list[Slot]) -> None:
+    """Retire the slots and stop their processes, in the background."""
+    if not slots:
+        return
     for slot in slots:
-        if slot.failed and slot.process is None and not slot.retired:
-            slot.failed, slot.reason, slot.load_failures = False, "", 0
-            slot.next_start = 0.0
-            slot.backoff.reset()
-            log.info("retrying %s on %s after a new load", slot.model, slot.device)
+        slot.retired = True
+    threading.Thread(target=_stop_processes, daemon=True,
+                     args=([s.process for s in slots if s.process],)).start()
 
 
 def _stop_processes(processes: list[BaseProcess]) -> None:
