@@ -24,11 +24,10 @@ from batching.config import ModelConfig
 from batching.datatypes import to_numpy
 from batching.envelope import Tensor
 from batching.errors import InvalidInput, MalformedShape
-from batching.signature import check_inputs, dims
+from batching.signature import INT64_MAX, check_dims, check_inputs, dims
 
 MAX_JSON_DEPTH = 100
 """Deepest nesting of an input's JSON ``data`` (Triton's limit)."""
-INT64_MAX = 2**63 - 1
 
 Vet = Callable[[dict[str, Any]], None]
 """Called with a request's ``parameters`` once they are known and before its tensors are
@@ -155,6 +154,7 @@ def _head(index: int, item: Any) -> tuple[str, str, tuple[int, ...], int | None,
     if not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedShape("Unable to parse 'shape': attempt to access JSON "
                              "non-unsigned-integer as unsigned-integer")
+    check_dims(name, shape)  # beside a zero one, a huge dimension passes the count
     count = math.prod(shape)
     if count > INT64_MAX:
         raise InvalidInput(f"invalid shape for input '{name}': shape {dims(shape)} causes "
@@ -242,29 +242,55 @@ def json_numbers(data: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     of the datatype. Anything else is read by numpy as it is: null, strings and mixtures
     turn into an object or string array, and fractions into a float one, all refused where
     they do not fit; a bool among numbers would read as 0 or 1, so the elements that read
-    as 0 or 1 have their types checked. Integers must fit the type.
+    as 0 or 1 have their types checked. Numbers must fit the type: an integer its range,
+    a number for FP16 or FP32 its largest finite value (numpy would make it infinite).
     """
+    if dtype.kind == "f" and dtype.itemsize < 8:
+        try:
+            with np.errstate(over="raise"):
+                return _numbers(data, dtype)
+        except FloatingPointError:
+            raise OverflowError(_range(dtype)) from None
+    return _numbers(data, dtype)
+
+
+def _numbers(data: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     allowed, what = _JSON_TYPES[dtype.kind]
     if (isinstance(data, list) and data and not isinstance(data[0], list)
             and (len(data) <= _SCAN_MAX or dtype.kind != "f")):
         if not allowed.issuperset(map(type, data)):
             raise TypeError(f"elements must be JSON {what}")
-        return np.asarray(data, dtype=dtype)
+        try:
+            return np.asarray(data, dtype=dtype)
+        except OverflowError:
+            raise OverflowError(_range(dtype)) from None
     found = np.asarray(data)
     if found.size == 0:
         return found.astype(dtype)
     if found.dtype.kind not in _KINDS[dtype.kind]:
+        elements: list[Any] = np.asarray(data, dtype=np.object_).ravel().tolist()
+        if dtype.kind in "iu" and all(type(v) is int for v in elements):
+            raise OverflowError(_range(dtype))  # integers numpy could only read as floats
         raise TypeError(f"elements must be JSON {what}")
     if found.dtype.kind in "iu" and dtype.kind in "iu":
         info = np.iinfo(dtype)
         if found.min() < info.min or found.max() > info.max:
-            raise OverflowError(f"elements must lie in {info.min}..{info.max}")
+            raise OverflowError(_range(dtype))
     if dtype.kind != "b":
         zero_or_one = (found == 0) | (found == 1)
         if zero_or_one.any() and bool in map(type, np.asarray(data, dtype=np.object_)[
                 zero_or_one]):
             raise TypeError(f"elements must be JSON {what}")
     return found.astype(dtype, copy=False)
+
+
+def _range(dtype: np.dtype[Any]) -> str:
+    """What an element of ``dtype`` may be, for an overflow's message."""
+    if dtype.kind == "f":
+        largest = float(np.finfo(dtype).max)
+        return f"elements must lie in {-largest!r}..{largest!r}"
+    info = np.iinfo(dtype)
+    return f"elements must lie in {info.min}..{info.max}"
 
 
 def _wanted_outputs(raw: Any) -> tuple[list[str], dict[str, bool], dict[str, ShmRef]]:

@@ -11,6 +11,9 @@ from collections.abc import Iterable, Sequence
 from batching.config import ModelConfig, TensorSpec
 from batching.errors import InvalidInput
 
+INT64_MAX = 2**63 - 1
+"""The largest dimension a shape may have (shapes are int64 on every protocol)."""
+
 
 def dims(shape: Iterable[int]) -> str:
     """A shape as Triton's messages show it: ``[1,16]``."""
@@ -22,12 +25,22 @@ def name_list(names: Iterable[str]) -> str:
     return "[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
+def check_dims(name: str, shape: Sequence[int]) -> None:
+    """Every dimension of input ``name`` lies in 0..INT64_MAX."""
+    if any(d < 0 or d > INT64_MAX for d in shape):
+        raise InvalidInput(f"input '{name}': shape {dims(shape)} has a dimension outside "
+                           f"0..{INT64_MAX}")
+
+
 def check_inputs(config: ModelConfig, given: Sequence[tuple[str, str, tuple[int, ...]]]) -> int:
     """Validate (name, datatype, shape) triples; return the request's row count.
 
     Every message names the input and says what was expected. A model without a
-    declared signature accepts any inputs that agree on their batch dim.
+    declared signature accepts any inputs that agree on their batch dim. Every dimension
+    lies in 0..INT64_MAX (a gRPC shape may hold a negative one).
     """
+    for name, _, shape in given:
+        check_dims(name, shape)
     names = [name for name, _, _ in given]
     model = config.name
     seen: set[str] = set()
