@@ -33,9 +33,12 @@ def listening_hosts(port: int) -> set[str]:
 
 def start_serve(redis_server: RedisServer, logdir: Path, name: str,
                 **env: str) -> tuple[Proc, int]:
+    """The API, not yet live, and its HTTP port (its gRPC port: ``CONVEYOR_GRPC_PORT`` in
+    ``env``, else a free one)."""
     port = free_port()
+    env.setdefault("CONVEYOR_GRPC_PORT", str(free_port()))
     full = service_env(redis_server.url, TEST_MODELS, f"l{uuid.uuid4().hex[:8]}",
-                       CONVEYOR_HTTP_PORT=str(port), CONVEYOR_GRPC_PORT=str(free_port()), **env)
+                       CONVEYOR_HTTP_PORT=str(port), **env)
     return Proc(f"{name}-{port}", [sys.executable, "-m", "api.serve"], full, logdir), port
 
 

@@ -20,8 +20,9 @@ from api import body_timeouts
 from api import h2_codec as h2
 from api.h2_connection import Limits
 from tests.h2_harness import CHAT, ECHO, Raw, grpc_message, run, serve, value
+from tests.h2_harness import INFER as INFER_METHOD
 from tests.listener_harness import LIVE, connect, read_response, start_serve, wait_live
-from tests.procs import RedisServer
+from tests.procs import RedisServer, free_port
 
 BODY_TIMEOUT_S = 2.0
 MARGIN_S = 3.0
@@ -32,20 +33,27 @@ SIZED = b"Content-Length: 1000\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
-def slow_api(redis_server: RedisServer, logdir: Path) -> Iterator[int]:
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def slow_api(redis_server: RedisServer, logdir: Path, grpc_port: int) -> Iterator[int]:
     """Header and keep-alive deadlines far off: only the body deadline can cut."""
     proc, port = start_serve(redis_server, logdir, "slow",
                              CONVEYOR_HTTP_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S),
-                             CONVEYOR_HTTP_HEADER_TIMEOUT_S="60", CONVEYOR_HTTP_KEEPALIVE_S="60")
+                             CONVEYOR_HTTP_HEADER_TIMEOUT_S="60", CONVEYOR_HTTP_KEEPALIVE_S="60",
+                             CONVEYOR_GRPC_PORT=str(grpc_port))
     wait_live(proc, f"http://127.0.0.1:{port}")
     yield port
     proc.stop()
 
 
-def cut_off(port: int) -> float:
-    """``conveyor_body_timeouts_total{listener="http"}`` of the API on ``port``."""
+def cut_off(port: int, listener: str = "http") -> float:
+    """``conveyor_body_timeouts_total{listener=...}`` of the API on ``port``."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    found = re.search(r'^conveyor_body_timeouts_total\{listener="http"\} (\S+)$', text, re.M)
+    found = re.search(rf'^conveyor_body_timeouts_total\{{listener="{listener}"\}} (\S+)$', text,
+                      re.M)
     assert found is not None, text
     return float(found.group(1))
 
@@ -151,6 +159,34 @@ async def test_a_trickled_grpc_message_has_its_stream_reset_and_counted() -> Non
         body, _ = await raw.answer(3)  # the connection still serves
         assert value(body) == b"after"
     assert grpc_cut_off() == before + 1
+
+
+async def trickle_grpc(port: int, limit_s: float) -> tuple[float, int]:
+    """A ModelInfer whose message comes a byte every 0.05 s: seconds until its stream is
+    reset, and the RST_STREAM code."""
+    raw = Raw(*await asyncio.open_connection("127.0.0.1", port))
+    raw.send(h2.PREFACE + h2.settings_frame({}), raw.head(1, INFER_METHOD))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reset = asyncio.ensure_future(raw.until(h2.RST_STREAM, 1))
+    try:
+        for byte in grpc_message(b"\x0a\x04echo" * 20):
+            if reset.done() or loop.time() - started > limit_s:
+                break
+            raw.send(h2.frame(h2.DATA, 0, 1, bytes((byte,))))
+            await asyncio.wait([reset], timeout=0.05)
+        _, code = await asyncio.wait_for(reset, limit_s)
+        return loop.time() - started, int.from_bytes(code, "big")
+    finally:
+        raw.writer.close()
+
+
+def test_the_api_s_grpc_listener_takes_the_body_timeout_setting(slow_api: int,
+                                                                grpc_port: int) -> None:
+    before = cut_off(slow_api, "grpc")
+    took, code = asyncio.run(trickle_grpc(grpc_port, BODY_TIMEOUT_S + MARGIN_S))
+    assert code == h2.CANCEL and BODY_TIMEOUT_S - 0.6 <= took < BODY_TIMEOUT_S + MARGIN_S
+    assert cut_off(slow_api, "grpc") == before + 1
 
 
 @run
