@@ -210,16 +210,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @_mapped
-    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        raise Unsupported(CUDA_UNSUPPORTED)
+    async def CudaSharedMemoryStatus(self, request: Any,
+                                     context: Any) -> pb.CudaSharedMemoryStatusResponse:
+        await self._shm.cuda_status(request.name)  # no region to list, or not found
+        return pb.CudaSharedMemoryStatusResponse()
 
     @_mapped
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         raise Unsupported(CUDA_UNSUPPORTED)
 
-    @_mapped
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        raise Unsupported(CUDA_UNSUPPORTED)
+    async def CudaSharedMemoryUnregister(
+            self, request: Any, context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()  # no CUDA region is ever registered
 
 
 class GrpcEndpoint:

@@ -18,6 +18,9 @@ Inputs are read when the request is bound (:meth:`SharedMemory.bind`), before it
 queued; outputs are written when the reply comes (:meth:`Binding.write`). The binding
 holds its output regions open until it is closed, so a region unregistered meanwhile
 still receives that request's outputs (as in Triton) and is closed after.
+
+CUDA shared memory cannot be registered; its status (:meth:`SharedMemory.cuda_status`)
+lists nothing and its unregister has nothing to do.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
 
 CUDA_UNSUPPORTED = ("CUDA shared memory is not supported by conveyor: use system shared "
                     "memory (/v2/systemsharedmemory)")
+"""The answer to a CUDA register; its status lists nothing and its unregister does nothing."""
 DISABLED = ("Client shared memory is disabled. Start the server with "
             "CONVEYOR_ALLOW_CLIENT_SHM=true to enable.")
 THREAD_BYTES = 1024 * 1024
@@ -140,6 +144,16 @@ class SharedMemory:
             raise RegionNotFound(f"Unable to find system shared memory region: '{name}'")
         return [{"name": n, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
                 for n, r in sorted(found.items())]
+
+    async def cuda_status(self, name: str) -> list[dict[str, Any]]:
+        """Triton's CUDA status list: no region ever, as none can be registered; a named
+        one is not found, with Triton's words for a system region of that name."""
+        if not name:
+            return []
+        if self.enabled and await self._registrations([name]):
+            raise RegionNotFound(f"The region named '{name}' is registered as system shared "
+                                 "memory, not CUDA shared memory")
+        raise RegionNotFound(f"Unable to find cuda shared memory region: '{name}'")
 
     async def bind(self, request: InferRequest, model: str) -> Binding | None:
         """Read the request's inputs from their regions and hold its output regions; None

@@ -4,7 +4,9 @@ System shared memory (:mod:`api.shared_memory`): ``GET
 /v2/systemsharedmemory[/region/{name}]/status``, ``POST
 /v2/systemsharedmemory/region/{name}/register`` with ``{"key", "offset", "byte_size"}``,
 ``POST /v2/systemsharedmemory[/region/{name}]/unregister`` (no name: every region).
-CUDA shared memory is not offered: every ``/v2/cudasharedmemory`` route answers 501.
+CUDA shared memory is not offered: ``POST /v2/cudasharedmemory/region/{name}/register``
+answers 501; its status lists no region and its unregister has nothing to do (Triton's
+cleanup calls in its clients' examples succeed).
 """
 
 from __future__ import annotations
@@ -53,8 +55,18 @@ def add_shm_routes(app: FastAPI, shm: SharedMemory) -> None:
         await shm.unregister(name)
         return JSONResponse({})
 
-    # Not in the OpenAPI schema: they exist only to refuse.
-    @app.get("/v2/cudasharedmemory/{rest:path}", include_in_schema=False)
-    @app.post("/v2/cudasharedmemory/{rest:path}", include_in_schema=False)
-    async def cuda(rest: str) -> JSONResponse:
+    @app.get("/v2/cudasharedmemory/status")
+    @app.get("/v2/cudasharedmemory/region/{name}/status")
+    async def cuda_status(name: str = "") -> JSONResponse:
+        return JSONResponse(await shm.cuda_status(name))
+
+    # Not in the OpenAPI schema: it exists only to refuse.
+    @app.post("/v2/cudasharedmemory/region/{name}/register", include_in_schema=False)
+    async def cuda_register(name: str) -> JSONResponse:
         raise Unsupported(CUDA_UNSUPPORTED)
+
+    @app.post("/v2/cudasharedmemory/unregister")
+    @app.post("/v2/cudasharedmemory/region/{name}/unregister")
+    async def cuda_unregister(request: Request, name: str = "") -> JSONResponse:
+        await json_body(request)
+        return JSONResponse({})

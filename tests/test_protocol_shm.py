@@ -9,6 +9,7 @@ import ``api.proto`` here (see tests/test_protocol_grpc.py).
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import time
@@ -296,14 +297,32 @@ def test_inference_errors(client: Client, protocol: str, regions: Regions) -> No
         client.infer("simple", inputs, outputs=outputs)
 
 
-def test_cuda_shared_memory_is_refused_clearly(client: Client, protocol: str) -> None:
+def test_cuda_shared_memory_lists_nothing_and_only_a_register_is_refused(
+        client: Client, protocol: str, regions: Regions) -> None:
+    """Triton's shm client examples first unregister every CUDA region and read the CUDA
+    status; a name answers as in Triton for a region it holds no CUDA registration of."""
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("never-registered")  # not an error, as in Triton
+    status = client.get_cuda_shared_memory_status()
+    assert status == [] if protocol == "http" else not status.regions
+    not_found = "404" if protocol == "http" else "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException,
+                       match="Unable to find cuda shared memory region: 'x'") as missing:
+        client.get_cuda_shared_memory_status("x")
+    assert missing.value.status() == not_found
+    name = filled_input_region(client, regions)
+    with pytest.raises(InferenceServerException,
+                       match=f"The region named '{name}' is registered as system shared "
+                             "memory, not CUDA shared memory") as other_kind:
+        client.get_cuda_shared_memory_status(name)
+    assert other_kind.value.status() == not_found
+    client.unregister_cuda_shared_memory(name)  # a system region is not a CUDA one: it stays
+    assert names(client.get_system_shared_memory_status()) == [name]
     with pytest.raises(InferenceServerException,
                        match="CUDA shared memory is not supported") as refused:
-        client.get_cuda_shared_memory_status()
+        client.register_cuda_shared_memory("c", base64.b64encode(bytes(64)).decode(), 0, 64)
     assert refused.value.status() == ("501" if protocol == "http"
                                       else "StatusCode.UNIMPLEMENTED")
-    with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported"):
-        client.unregister_cuda_shared_memory()
 
 
 def test_server_metadata_lists_the_extension(client: Client, protocol: str) -> None:

@@ -227,13 +227,16 @@ def test_off_by_default(client: TestClient, objects: Objects) -> None:
     assert infer.json() == {"error": "Unable to find shared memory region: 'r'"}
 
 
-def test_cuda_shared_memory_is_not_supported(client: TestClient) -> None:
-    for method, path in [("GET", "/v2/cudasharedmemory/status"),
-                         ("POST", "/v2/cudasharedmemory/region/r/register"),
-                         ("POST", "/v2/cudasharedmemory/unregister")]:
-        response = client.request(method, path, content=b"{}")
-        assert response.status_code == 501
-        assert "CUDA shared memory is not supported" in response.json()["error"]
+def test_cuda_shared_memory_lists_nothing_and_refuses_a_register(client: TestClient) -> None:
+    assert client.get("/v2/cudasharedmemory/status").json() == []
+    for path in ("/v2/cudasharedmemory/unregister", "/v2/cudasharedmemory/region/r/unregister"):
+        assert client.post(path).status_code == 200
+    missing = client.get("/v2/cudasharedmemory/region/r/status")
+    assert missing.status_code == 404
+    assert missing.json() == {"error": "Unable to find cuda shared memory region: 'r'"}
+    response = client.post("/v2/cudasharedmemory/region/r/register", content=b"{}")
+    assert response.status_code == 501
+    assert "CUDA shared memory is not supported" in response.json()["error"]
 
 
 def test_server_metadata_lists_the_extension(client: TestClient) -> None:
