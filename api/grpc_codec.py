@@ -18,7 +18,7 @@ import numpy as np
 from api.binary import tensor_from_buffer
 from api.kserve import InferRequest, check_outputs, chosen_outputs, reject_unsupported
 from api.proto import inference_pb2 as pb
-from api.shm_params import tensor_ref
+from api.shm_params import ShmRef, tensor_ref
 from batching.config import ModelConfig
 from batching.datatypes import to_numpy
 from batching.envelope import Tensor
@@ -49,6 +49,7 @@ def parse_request(request: pb.ModelInferRequest, config: ModelConfig) -> InferRe
     rows = check_inputs(config, heads)
     refs = {i: ref for i, t in enumerate(request.inputs)
             if (ref := tensor_ref(t.name, parameters(t.parameters))) is not None}
+    _check_contents(request, refs, config.name)
     raw = iter(request.raw_input_contents)
     expected = len(request.inputs) - len(refs)
     if request.raw_input_contents and len(request.raw_input_contents) != expected:
@@ -66,9 +67,6 @@ def parse_request(request: pb.ModelInferRequest, config: ModelConfig) -> InferRe
         reject_unsupported(f"input {name!r}", tensor.parameters)
         to_numpy(datatype)
         if i in refs:
-            if tensor.HasField("contents"):
-                raise InvalidInput(f"unexpected 'content' provided when using shared memory for "
-                                   f"input tensor '{name}' for model '{config.name}'")
             tensors.append(Tensor(name, datatype, shape, b""))
         elif request.raw_input_contents:
             tensors.append(tensor_from_buffer(name, datatype, shape, next(raw), config.name))
@@ -83,6 +81,20 @@ def parse_request(request: pb.ModelInferRequest, config: ModelConfig) -> InferRe
         shm_inputs=refs,
         shm_outputs=shm_outputs,
     )
+
+
+def _check_contents(request: pb.ModelInferRequest, refs: dict[int, ShmRef], model: str) -> None:
+    """Refuse typed ``contents`` on an input read from a region or given in
+    ``raw_input_contents`` (Triton's words, input by input, before the raw entries count)."""
+    for i, tensor in enumerate(request.inputs):
+        if not tensor.HasField("contents"):
+            continue
+        if i in refs:
+            raise InvalidInput(f"unexpected 'content' provided when using shared memory for "
+                               f"input tensor '{tensor.name}' for model '{model}'")
+        if request.raw_input_contents:
+            raise InvalidInput(f"contents field must not be specified when using "
+                               f"raw_input_contents for '{tensor.name}' for model '{model}'")
 
 
 def _from_contents(name: str, datatype: str, shape: tuple[int, ...], contents: Any,

@@ -23,6 +23,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import MakeStack, Stack
@@ -200,6 +201,26 @@ def test_errors_map_to_status_codes(stack: Stack) -> None:
         assert text in caught.value.message()
     assert not client.is_model_ready("missing")
     client.close()
+
+
+def test_contents_next_to_raw_input_contents_are_refused(stack: Stack) -> None:
+    """Triton's grpc_explicit_int_content_client: typed contents alone answer; contents on an
+    input of a request carrying raw_input_contents are refused, before the entries count."""
+    request = service_pb2.ModelInferRequest(model_name="echo")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    tensor.contents.fp32_contents[:] = [1.0, 2.0, 3.0, 4.0]
+    with grpc.insecure_channel(grpc_url(stack)) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answer = stub.ModelInfer(request, timeout=30)
+        np.testing.assert_array_equal(np.frombuffer(answer.raw_output_contents[0], np.float32),
+                                      [2.0, 4.0, 6.0, 8.0])  # echo doubles
+        for _ in range(2):  # one entry per input, then one too many
+            request.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(request, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == ("contents field must not be specified when using "
+                                               "raw_input_contents for 'x' for model 'echo'")
 
 
 def test_standard_health_service_and_metrics(stack: Stack) -> None:
