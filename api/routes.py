@@ -6,6 +6,7 @@ JSON), ``/stats`` (Triton's statistics), and repository control (index, load, un
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,16 @@ from api.stats import statistics
 from batching.config import ModelConfig
 from batching.errors import ConveyorError, InvalidInput, Overloaded, Unavailable
 from batching.triton_config import triton_config
+
+_READY_TYPE = "Invalid value for 'ready': expected a boolean"
+_DEPTH_EXCEEDED = "depth limit exceeded"
+"""orjson's words for a body nested past its bound (1024)."""
+_STRING = re.compile(rb'"(ready)"|"[^"]*"')
+"""A JSON string without escaped quotes; the key ``"ready"`` is kept, any other emptied."""
+_READY_MEMBER = re.compile(rb'"ready"\s*:\s*(\S)')
+"""A ``ready`` key and the first character of its value."""
+READY_WINDOW = 64 * 1024
+"""How far into a body too deep to parse its top-level ``ready`` is looked for."""
 
 VERSION = "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "parameters",
@@ -55,6 +66,40 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     return json_object(raw)
+
+
+def index_ready(raw: bytes) -> bool:
+    """The ``ready`` flag of a repository index body (an empty body: false). As in Triton,
+    a ``ready`` that is not a boolean is answered before the body's depth: in a body nested
+    past the parser's bound, a top-level ``ready`` whose value is not a boolean and starts
+    within the first :data:`READY_WINDOW` bytes answers that, not the depth."""
+    try:
+        doc = json_object(raw) if raw.strip() else {}
+    except InvalidInput as exc:
+        if _DEPTH_EXCEEDED in exc.message and _ready_is_not_bool(raw[:READY_WINDOW]):
+            raise InvalidInput(_READY_TYPE) from None
+        raise
+    ready = doc.get("ready", False)
+    if not isinstance(ready, bool):
+        raise InvalidInput(_READY_TYPE)
+    return ready
+
+
+def _ready_is_not_bool(raw: bytes) -> bool:
+    """Whether the first ``"ready"`` member of the top-level object in ``raw``, read from its
+    tokens as it cannot be parsed, has a value other than ``true`` or ``false``."""
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")  # no quote is escaped now
+    bare = _STRING.sub(rb'"\1"', unescaped)  # brackets in strings no longer count
+    if not bare.lstrip().startswith(b"{"):
+        return False
+    depth, at = 0, 0
+    for member in _READY_MEMBER.finditer(bare):
+        part = bare[at:member.start()]
+        depth += part.count(b"{") + part.count(b"[") - part.count(b"}") - part.count(b"]")
+        at = member.start()
+        if depth == 1:
+            return member.group(1) not in (b"t", b"f")
+    return False
 
 
 def load_config(parameters: Any) -> str | None:
@@ -143,9 +188,7 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
 
     @app.post("/v2/repository/index")
     async def repository_index(request: Request) -> JSONResponse:
-        ready = (await json_body(request)).get("ready", False)
-        if not isinstance(ready, bool):
-            raise InvalidInput("Invalid value for 'ready': expected a boolean")
+        ready = index_ready(await request.body())
         return JSONResponse(await repository.index(ready_only=ready))
 
     @app.post("/v2/repository/models/{model}/load")

@@ -58,6 +58,30 @@ def test_index_accepts_an_empty_body_and_lists_every_folder(stack: Stack, http: 
     assert len(http.get_model_repository_index()) == 4
 
 
+def test_index_answers_a_ready_of_the_wrong_type_before_the_body_depth(stack: Stack) -> None:
+    """Triton's L0_http test_repository_index_deeply_nested_json, and the depth bound that
+    still answers when ``ready`` is a boolean or not found."""
+    depth = 250_000
+    nested = b"[" * depth + b"true" + b"]" * depth
+    deep = b"[" * 2000 + b"]" * 2000
+
+    def answer(body: bytes) -> tuple[int, str]:
+        response = httpx.post(f"{stack.url}/v2/repository/index", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"})
+        return response.status_code, response.json()["error"]
+
+    wrong_type = (400, "Invalid value for 'ready': expected a boolean")
+    assert answer(b'{"ready":' + nested + b"}") == wrong_type
+    assert answer(b'{"x": "[[\\\"", "ready": ' + deep + b"}") == wrong_type
+    assert answer(b'{"x": ' + deep + b', "ready": "yes"}') == wrong_type
+    for bound in (b'{"ready": true, "x": ' + deep + b"}",
+                  b'{"x": [{"ready": 1}, ' + deep + b"]}",
+                  b'{"x": "\\\\", "ready": false, "y": ' + deep + b"}"):
+        status, error = answer(bound)
+        assert status == 400 and "depth limit exceeded" in error, (bound[:40], error)
+    assert httpx.get(f"{stack.url}/v2/health/live", timeout=10).status_code == 200
+
+
 def test_unload_then_load_over_both_protocols(stack: Stack, http: Client) -> None:
     grpc = grpcclient.InferenceServerClient(grpc_url(stack))
     http.unload_model("echo")
