@@ -127,6 +127,10 @@ def test_failed_reloads_keep_the_loaded_version_and_a_reload_swaps(stack: Stack)
     with Traffic(stack) as traffic:
         wait_for(lambda: traffic.total() > 20, 30, "requests to be answered")
         before = served_config(stack)
+        answer = httpx.post(url, json={"parameters": {"config": '"max_batch_size": {{16}}'}})
+        assert answer.status_code == 400
+        assert answer.json() == {"error": "failed to load model 'digits': digits: the load's "
+                                          "config is not JSON"}
 
         answer = httpx.post(url, json={"parameters": {"config": CANNOT_LOAD}}, timeout=150)
         assert answer.status_code == 400, answer.text
