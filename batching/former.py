@@ -277,18 +277,29 @@ class BatchFormer:
         return expired
 
     def take_unanswerable(self, now: float, horizon: Callable[[int], float], cap: int,
-                          by_target: bool = False) -> tuple[list[Entry], int]:
+                          by_target: bool = False) -> tuple[list[Entry], int, float]:
         """Past capacity: remove and return the entries that no batch started now can answer
-        in time (before their deadline, or ``by_target`` before :meth:`due`), and the rows
-        the next batch may hold so that all of them make it (batching/shedding.py; 0 when
-        not even a lone row can)."""
-        due: Callable[[Entry], float] = self.due if by_target else _deadline
-        rows, threshold = rows_in_time(((due(e), e.rows) for e in self._pending), now,
-                                       horizon, cap)
+        in time (before their deadline, or ``by_target`` before :meth:`due`), the rows the
+        next batch may hold so that all of them make it (batching/shedding.py; 0 when not
+        even a lone row can), and the time below which a row's own deadline cannot be met.
+        ``by_target`` falls back to deadlines when not even a lone row can make the target:
+        then the estimate of the path, not the queue, says so, and refusing everything
+        would answer nothing in time."""
+        by_deadline = rows_in_time(((e.deadline, e.rows) for e in self._pending), now,
+                                   horizon, cap)
+        rows, threshold = by_deadline
+        due: Callable[[Entry], float] = _deadline
+        if by_target:
+            rows, threshold = rows_in_time(((self.due(e), e.rows) for e in self._pending), now,
+                                           horizon, cap)
+            if rows:
+                due = self.due
+            else:
+                rows, threshold = by_deadline
         late = [e for e in self._pending if due(e) < threshold]
         if late:
             self._pending = [e for e in self._pending if due(e) >= threshold]
-        return late, rows
+        return late, rows, by_deadline[1]
 
     def _fitting(self, group: list[Entry]) -> list[Entry]:
         """The leading entries of ``group`` whose rows times their longest padded length

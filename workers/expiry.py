@@ -87,28 +87,28 @@ class Expiry:
         capacity, those the policy says a batch started now could not answer in time
         (before their deadline; with ``lifo``, within the latency target too). Below
         capacity, and in a burst, nothing is shed on a forecast: a noisy fit would cost
-        requests that make it."""
+        requests that make it. Past capacity ends, too, when nothing is left waiting."""
         former = self._former
         expired = former.take_expired(now)
         if expired:
             answer_unrun(self._streams, expired, DeadlineExceeded("deadline passed while queued"))
         self.in_time_rows = 0
-        if not len(former) or not self.overloaded:
-            return
+        if self.overloaded:
+            self._shed(now)
+            self.formed(len(former))
+
+    def _shed(self, now: float) -> None:
         horizon = self._policy.shed_horizon_s
-        if horizon(1) <= 0.0:
+        if not len(self._former) or horizon(1) <= 0.0:
             return
-        late, self.in_time_rows = former.take_unanswerable(now, horizon, self._row_cap.cap,
-                                                           self._lifo)
-        if not late:
-            return
+        late, self.in_time_rows, missed = self._former.take_unanswerable(
+            now, horizon, self._row_cap.cap, self._lifo)
         took = f"a batch takes about {horizon(max(self.in_time_rows, 1)) * 1e3:.1f} ms here now"
-        by_target = self._lifo
-        own = [e for e in late if not by_target or e.deadline <= former.due(e)]
+        own = [e for e in late if e.deadline < missed]
         if own:
             answer_unrun(self._streams, own, DeadlineExceeded(
                 f"cannot be answered before its deadline: {took}"), {"shed_count": len(own)})
-        target = [e for e in late if by_target and e.deadline > former.due(e)]
+        target = [e for e in late if e.deadline >= missed]
         if target:
             answer_unrun(self._streams, target, Overloaded(
                 f"past capacity: cannot be answered within the model's latency target "

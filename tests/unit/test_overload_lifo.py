@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from batching.config import ModelConfig
+from batching.config_schema import ConfigError
 from batching.envelope import Request
 from batching.former import BatchFormer, Entry
 from batching.policy import FixedWindow
@@ -97,3 +101,41 @@ def test_fifo_keeps_the_order_of_deadlines_and_refuses_only_by_them() -> None:
     got = {r.id: r for r in streams.replies(REPLY)}
     assert got[old[-1].id].ok and model.ran == [8, 8]  # the oldest first, late but run
     assert loop.expiry.overloaded and loop.expiry.room(8) == 8  # no reads beyond a batch
+
+
+def test_the_overload_order_is_a_config_key() -> None:
+    def overload(batching: dict[str, object]) -> str:
+        return ModelConfig.from_dict("m", {"batching": batching}, "python").batching.overload
+
+    assert overload({}) == "lifo" and overload({"overload": "fifo"}) == "fifo"
+    with pytest.raises(ConfigError, match=r"batching\.overload must be 'lifo' or 'fifo'"):
+        overload({"overload": "newest"})
+
+
+def test_when_not_even_a_lone_row_could_make_the_target_only_deadlines_refuse() -> None:
+    """A path estimate longer than the target (a stalled API, say) would otherwise refuse
+    every request, and no success would ever bring the estimate down."""
+    f = former()
+    f.add([entry(1, 0.001, 0.030), entry(2, 0.002, 30.0)])
+    f.overload(True)
+    late, rows, _ = f.take_unanswerable(NOW, lambda n: 0.060, 64, by_target=True)
+    assert [e.entry_id for e in late] == ["1"] and rows == 1  # its own 30 ms: out of reach
+    assert len(f) == 1
+    late, rows, _ = f.take_unanswerable(NOW, lambda n: 0.010, 64, by_target=True)
+    assert late == [] and rows == 1  # 2 makes the target: 10 ms of the 48 ms left
+
+
+def test_past_capacity_ends_when_everything_waiting_was_refused() -> None:
+    loop, streams, _ = make_loop(adaptive=True, target_ms=100.0, overload="lifo")
+    teach(loop, 0.010)
+    for _ in range(9):
+        streams.put(request(60.0))
+    loop.step()
+    time.sleep(0.12)
+    for _ in range(8):
+        streams.put(request(60.0))
+    loop.step()
+    assert loop.expiry.overloaded
+    time.sleep(0.12)  # nothing new comes: what is left cannot make the target any more
+    loop.step()
+    assert len(loop.former) == 0 and not loop.expiry.overloaded
