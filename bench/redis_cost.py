@@ -1,7 +1,7 @@
 """What one inference request costs Redis: commands, bytes in and out, and server CPU.
 
 Usage: python -m bench.redis_cost [--duration S] [--concurrency C] [--io-threads N [N...]]
-                                  [--out bench/RESULTS-redis.md]
+                                  [--paths redis fetch] [--out bench/RESULTS-redis.md]
 
 Serves two ONNX models through conveyor (``python -m api.serve`` with one API process, a
 Celery worker, an own redis-server): mlp_tiny (64 FP32 in, 10 out: a 256-byte tensor) and
@@ -17,8 +17,10 @@ once); the rest is reading, parsing and writing. ``--io-threads 1 2`` measures e
 with Redis's own default and again with two I/O threads that also read
 (``io-threads-do-reads yes``), counting the reads and writes they took
 (``io_threaded_reads_processed``, ``io_threaded_writes_processed``). The tensor arena is
-off (``CONVEYOR_TENSOR_ARENA_MB=0``): this is the cost when the bytes go through Redis,
-as they do between hosts.
+never used: the image goes the ways it can between hosts, ``--paths``: through Redis
+(``CONVEYOR_TENSOR_TRANSPORT=redis``), and fetched by the inference process from the API
+process's bytes endpoint (``fetch``, the default between hosts, docs/data-path.md); the
+small mlp_tiny input always goes through Redis.
 """
 
 from __future__ import annotations
@@ -84,9 +86,13 @@ def write_repository(root: Path) -> dict[str, Input]:
 @dataclass(frozen=True)
 class Cost:
     model: str
+    path: str
+    """how the input reached the inference process: ``redis`` or ``fetch``"""
     request_bytes: int
     io_threads: int
     requests: int
+    rate: float
+    """requests answered a second"""
     commands: dict[str, float]
     """calls per request, by command"""
     bytes_in: float
@@ -108,9 +114,10 @@ def snapshot(client: redis.Redis) -> tuple[float, float, int, int, int]:
             int(info["io_threaded_reads_processed"]) + int(info["io_threaded_writes_processed"]))
 
 
-def measure(model: str, tensor: Input, io_threads: int, args: argparse.Namespace,
+def measure(model: str, tensor: Input, io_threads: int, path: str, args: argparse.Namespace,
             work: Path) -> Cost:
-    """One stack serving ``model``; the Redis counters over a measured wrk run."""
+    """One stack serving ``model``, its large inputs sent by ``path``; the Redis counters
+    over a measured wrk run."""
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
     with ExitStack() as stack:
@@ -120,9 +127,8 @@ def measure(model: str, tensor: Input, io_threads: int, args: argparse.Namespace
                "CONVEYOR_MODEL_REPOSITORY": str(work / "repo"), "CONVEYOR_API_WORKERS": "1",
                "CONVEYOR_HTTP_PORT": str(api_port), "CONVEYOR_GRPC_PORT": str(free_port()),
                "CONVEYOR_WORKER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
-               # the bytes through Redis, as between hosts: on one host a 150 KB input
-               # would skip it (the tensor arena, docs/data-path.md)
-               "CONVEYOR_TENSOR_ARENA_MB": "0"}
+               # as between hosts: on one host a 150 KB input would take the tensor arena
+               "CONVEYOR_TENSOR_TRANSPORT": path}
         stack.enter_context(running([
             ProcessGroup("api", [sys.executable, "-m", "api.serve"], env, work / "api.log", cwd=ROOT),
             ProcessGroup("worker", [sys.executable, "-m", "celery", "-A", "workers.app", "worker",
@@ -149,7 +155,7 @@ def measure(model: str, tensor: Input, io_threads: int, args: argparse.Namespace
     commands = {name.removeprefix("cmdstat_"): int(v["calls"]) / n for name, v in stats.items()}
     sent_us = sum(int(v["usec"]) for name, v in stats.items()
                   if name.removeprefix("cmdstat_") not in SCRIPTED)
-    return Cost(model, len(body.content), io_threads, n,
+    return Cost(model, path, len(body.content), io_threads, n, result.throughput,
                 dict(sorted(commands.items(), key=lambda kv: -kv[1])), (in1 - in0) / n,
                 (out1 - out0) / n, (cpu1 - cpu0) * 1e6 / n, (main1 - main0) * 1e6 / n, sent_us / n,
                 (threaded1 - threaded0) / n)
@@ -189,14 +195,18 @@ def report(costs: list[Cost], args: argparse.Namespace, started: datetime, load:
         "threaded I/O: the reads and writes the I/O threads took",
         "- one-core bound: 1 s / main-thread CPU per request, the rate at which Redis's main "
         "thread, which runs every command, would be busy all the time", "",
-        "| model | request bytes | io-threads | requests | commands / request | bytes in / request | "
-        "bytes out / request | Redis CPU µs / request | main thread µs | executing µs | "
-        "threaded I/O / request | one-core bound, req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "- inputs: how the input reached the inference process: `redis`, in the stream entry; "
+        "`fetch`, from the API process's bytes endpoint (`CONVEYOR_TENSOR_TRANSPORT=fetch`, "
+        "the path between hosts, here on one)", "",
+        "| model | inputs | request bytes | io-threads | requests | req/s | commands / request | "
+        "bytes in / request | bytes out / request | Redis CPU µs / request | main thread µs | "
+        "executing µs | threaded I/O / request | one-core bound, req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in costs:
         detail = ", ".join(f"{name} {calls:.2f}" for name, calls in c.commands.items() if calls >= 0.01)
-        lines.append(f"| {c.model} | {c.request_bytes:,} | {c.io_threads} | {c.requests:,} | "
+        lines.append(f"| {c.model} | {c.path} | {c.request_bytes:,} | {c.io_threads} | "
+                     f"{c.requests:,} | {c.rate:,.0f} | "
                      f"{sum(c.commands.values()):.2f} ({detail}) | {c.bytes_in:,.0f} | "
                      f"{c.bytes_out:,.0f} | {c.cpu_us:.1f} | {c.main_us:.1f} | {c.exec_us:.1f} | "
                      f"{c.threaded:.2f} | {1e6 / c.main_us:,.0f} |")
@@ -215,6 +225,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--io-threads", type=int, nargs="+", default=[1],
                         help="Redis io-threads to measure with (above 1: reads threaded too)")
+    parser.add_argument("--paths", nargs="+", choices=("redis", "fetch"),
+                        default=["redis", "fetch"],
+                        help="the ways image_mean's input is sent (mlp_tiny's: Redis)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS-redis.md")
     args = parser.parse_args()
     started, load = datetime.now(UTC), os.getloadavg()[0]
@@ -223,9 +236,10 @@ def main() -> None:
         tensors = write_repository(work / "repo")
         costs = []
         for model, tensor in tensors.items():
-            for io_threads in args.io_threads:
-                costs.append(measure(model, tensor, io_threads, args, work))
-                time.sleep(1)
+            for path in args.paths if model == "image_mean" else ["redis"]:
+                for io_threads in args.io_threads:
+                    costs.append(measure(model, tensor, io_threads, path, args, work))
+                    time.sleep(1)
     args.out.write_text(report(costs, args, started, load))
     print(args.out.read_text())
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 PREFIX = "cvmh"
 SUBNET = "10.231.47"
+SHM_SIZE = "256m"
+"""The ``/dev/shm`` of a host that has its own (an API process's tensor arena: 64 MiB)."""
 """The switch's /24; the test sends traffic only to these addresses and to loopback."""
 LEFTOVER = re.compile(rf"^{PREFIX}(?P<pid>\d+)-\S+")
 
@@ -80,10 +82,16 @@ class Host:
     address: str
     link: str
 
-    def argv(self, argv: list[str]) -> list[str]:
+    def argv(self, argv: list[str], *, own_shm: bool = False) -> list[str]:
         """``argv`` run inside this host's namespace. ``ip netns exec`` execs it in place,
-        so the process keeps the pid (and process group) it was started with."""
-        return ["ip", "netns", "exec", self.netns, *argv]
+        so the process keeps the pid (and process group) it was started with. With
+        ``own_shm``, on a ``/dev/shm`` of its own (a tmpfs in the mount namespace ``ip netns
+        exec`` makes), as on a host of its own: its shared-memory token is not the others'
+        (batching/tensor_arena.py), so large inputs take the path between hosts."""
+        if not own_shm:
+            return ["ip", "netns", "exec", self.netns, *argv]
+        return ["ip", "netns", "exec", self.netns, "sh", "-c",
+                f'mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec "$@"', "sh", *argv]
 
 
 @dataclass

@@ -21,8 +21,10 @@ from typing import Any, cast
 
 import redis
 
+from batching.envelope import FIELD, Request
 from batching.keys import GROUP, Keys
 from batching.repository_scan import as_text
+from batching.tensor_transport import is_remote
 from tests.multihost.netns import Host
 from tests.procs import ROOT, Proc, wait_for
 
@@ -31,6 +33,10 @@ LEVELS = 3
 """The echo model's priority levels: its streams are q:1 to q:3."""
 REDIS_PORT = 6379
 API_PORT = 8000
+LARGE = 16
+"""``CONVEYOR_TENSOR_ARENA_MIN_BYTES`` of the APIs: the echo model's input (4 FP32) counts
+as large, so every request's input is fetched by the worker from its API process's bytes
+endpoint, as a large input between hosts is (docs/data-path.md)."""
 STALE_S = 3.0
 """``CONVEYOR_HEARTBEAT_STALE_S``: a worker silent this long is dead to the others, which
 then claim its pending entries (docs/data-path.md, section 8)."""
@@ -64,8 +70,9 @@ class Services:
         self.socket = self.workdir / "redis.sock"
         self.redis_url = ""
 
-    def _start(self, name: str, host: Host, argv: list[str], env: dict[str, str]) -> Proc:
-        proc = Proc(name, host.argv(argv), env, self.workdir)
+    def _start(self, name: str, host: Host, argv: list[str], env: dict[str, str],
+               own_shm: bool = False) -> Proc:
+        proc = Proc(name, host.argv(argv, own_shm=own_shm), env, self.workdir)
         self.procs.append(proc)
         return proc
 
@@ -94,7 +101,7 @@ class Services:
         proc = self._start(host.name, host, [sys.executable, "-m", "api.serve"], self.env(
             CONVEYOR_HOST=host.address, CONVEYOR_ALLOW_UNAUTHENTICATED="1",
             CONVEYOR_HTTP_PORT=str(API_PORT), CONVEYOR_GRPC_PORT=str(API_PORT + 1),
-            CONVEYOR_API_WORKERS="1"))
+            CONVEYOR_API_WORKERS="1", CONVEYOR_TENSOR_ARENA_MIN_BYTES=str(LARGE)), own_shm=True)
         return proc, f"http://{host.address}:{API_PORT}"
 
     def start_worker(self, host: Host) -> Proc:
@@ -102,7 +109,7 @@ class Services:
         return self._start(host.name, host, [
             sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-n",
             f"{host.name}@%h", "--loglevel", "INFO", "--without-mingle", "--without-gossip"],
-            self.env(CONVEYOR_HOST="127.0.0.1", CONVEYOR_WORKER_PORT="8002"))
+            self.env(CONVEYOR_HOST="127.0.0.1", CONVEYOR_WORKER_PORT="8002"), own_shm=True)
 
     def client(self) -> redis.Redis:
         return redis.Redis(unix_socket_path=str(self.socket), socket_timeout=10)
@@ -136,6 +143,18 @@ class Services:
                 total += sum(int(c["pending"]) for c in summary["consumers"]
                              if c["name"].decode() in consumers)
         return total
+
+    def fetched(self) -> int:
+        """Entries waiting in the model's streams whose input is a reference to its API
+        process's bytes endpoint (batching/tensor_transport.py)."""
+        found = 0
+        with self.client() as client:
+            for stream in self.keys.queues(MODEL, LEVELS):
+                entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream))
+                found += sum(1 for _, fields in entries
+                             if any(t.ref is not None and is_remote(t.ref)
+                                    for t in Request.decode(fields[FIELD]).inputs))
+        return found
 
     def stats(self) -> dict[str, int]:
         with self.client() as client:

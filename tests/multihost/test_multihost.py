@@ -9,7 +9,12 @@ both APIs while hosts fail and join.
    joins the consumer group and runs batches within seconds of being ready.
 3. **One API host's processes are killed** (SIGKILL). Its clients' requests then in flight
    get no HTTP answer (a connection error each, one per client, since a client stops at
-   it); the other API's clients see nothing but 200s.
+   it); the other API's clients see nothing but 200s. A request of the dead API whose
+   input was not fetched yet is answered with an error, never run on other bytes.
+
+Each API and worker host has a ``/dev/shm`` of its own, so every input (the APIs count the
+echo model's 16 bytes as large) is fetched by the worker from its API host's bytes
+endpoint, the path between hosts (docs/data-path.md).
 
 No event may cause a 5xx or any other HTTP error: the cut is healed by reclaim well within
 the requests' deadlines, the new worker only adds capacity, and a dead API answers nothing
@@ -132,6 +137,8 @@ def test_hosts_fail_and_join_under_load_with_one_answer_per_request(
     run.until(lambda: run.answers.read().ready is not None, "the client to start", READY_TIMEOUT_S)
     assert run.answers.ready is not None
     started = run.answers.ready
+    # Each host has its own /dev/shm: the inputs are fetched from the APIs, not in Redis.
+    run.until(lambda: services.fetched() > 0, "an input fetched from its API host")
     run.answered(PHASE, started, "the first phase")
 
     # 1. A worker host drops off the network with entries in hand.
@@ -190,11 +197,14 @@ def test_hosts_fail_and_join_under_load_with_one_answer_per_request(
     for client in {r["client"] for r in second}:
         assert [r for r in second if r["client"] == client][-1]["status"] == 0
     # Redis's side: no request answered twice. The dead API's last requests may or may not
-    # have been admitted before it died; nothing else was answered without a client seeing it.
+    # have been admitted before it died, and run if their inputs had been fetched, else
+    # answered with an error (nobody reads it); nothing else failed or was answered
+    # without a client seeing it.
     ok = len(requests) - len(errors)
     answered = after["success_count"] - before.get("success_count", 0)
-    assert ok <= answered <= ok + len(errors), (ok, answered)
-    assert after.get("fail_count", 0) == before.get("fail_count", 0)
+    failed = after.get("fail_count", 0) - before.get("fail_count", 0)
+    assert ok <= answered + failed <= ok + len(errors), (ok, answered, failed)
+    assert answered >= ok and failed <= len(errors), (ok, answered, failed)
     assert services.pending(victims) == 0
     # The fourth worker ran batches within seconds of its ready heartbeat, and a fair part
     # of the rows: a third would be an even split between the three live workers.
