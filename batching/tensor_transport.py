@@ -27,6 +27,7 @@ import ssl
 import struct
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ LENGTH = struct.Struct("<q")
 TOKEN_BYTES = 16
 MAX_ITEMS = 4096
 """Most references in one fetch; a larger request is a protocol error."""
+POOL_THREADS = 8
+"""Threads a fetch client asks endpoints beyond the first on."""
 
 Ref = list[Any]
 """``[where, id, length, expiry_ms, token]``, as it travels in a request envelope."""
@@ -104,13 +107,19 @@ def client_context(ca_file: Path | None) -> ssl.SSLContext:
 
 
 class FetchClient:
-    """An inference process's fetches, one kept connection per endpoint. Blocking: every
-    endpoint of one fetch is asked before the first is read, all within ``timeout_s``."""
+    """An inference process's fetches, one kept connection per endpoint, all the endpoints
+    of one fetch at once (the first on the calling thread, the others on threads of the
+    client's own), each within ``timeout_s``. An endpoint that could not be reached is
+    not tried again for ``timeout_s``: its inputs fail at once meanwhile, so that a host
+    cut off stalls one fetch, not each."""
 
     def __init__(self, timeout_s: float, tls: ssl.SSLContext | None = None) -> None:
         self._timeout_s = timeout_s
         self._tls = tls
         self._links: dict[str, socket.socket] = {}
+        self._down: dict[str, tuple[float, str]] = {}
+        """Endpoints that could not be reached: until when (monotonic), and why."""
+        self._pool: ThreadPoolExecutor | None = None
 
     def fetch(self, refs: Sequence[Ref]) -> list[memoryview | TensorGone]:
         """Each reference's bytes, or why they cannot be had."""
@@ -124,31 +133,46 @@ class FetchClient:
                 continue
             groups.setdefault(parsed.where, []).append((index, parsed))
         deadline = time.monotonic() + self._timeout_s
-        asked: list[tuple[str, socket.socket]] = []
-        for where, group in groups.items():  # every endpoint asked before any is read
-            try:
-                link = self._link(where, deadline)
-                link.sendall(encode_request([(p.id, p.token) for _, p in group]))
-            except (OSError, ValueError) as exc:
-                self._fail(where, group, out, exc)
-                continue
-            asked.append((where, link))
-        for where, link in asked:
-            group = groups[where]
-            try:
-                link.settimeout(max(deadline - time.monotonic(), 0.001))
-                got = _read_reply(link, [p.length for _, p in group])
-            except (OSError, ValueError) as exc:
-                self._fail(where, group, out, exc)
-                continue
+        jobs = list(groups.items())
+        if len(jobs) > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="conveyor-fetch")
+        others = [(g, self._pool.submit(self._one, w, g, deadline))
+                  for w, g in jobs[1:]] if self._pool is not None else []
+        done = [(g, self._one(w, g, deadline)) for w, g in jobs[:1]]
+        done += [(g, f.result()) for g, f in others]  # each ends by its sockets' timeouts
+        for group, got in done:
             for (index, _), one in zip(group, got, strict=True):
                 out[index] = one
         return out
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for link in self._links.values():
             link.close()
         self._links.clear()
+
+    def _one(self, where: str, group: list[tuple[int, Parsed]],
+             deadline: float) -> list[memoryview | TensorGone]:
+        """One endpoint's share of a fetch, within ``deadline``."""
+        down = self._down.get(where)
+        if down is not None and down[0] > time.monotonic():
+            return self._failed(where, group, down[1])
+        try:
+            link = self._link(where, deadline)
+        except (OSError, ValueError) as exc:
+            self._down[where] = (time.monotonic() + self._timeout_s, str(exc))
+            return self._failed(where, group, str(exc))
+        self._down.pop(where, None)
+        try:
+            link.settimeout(max(deadline - time.monotonic(), 0.001))
+            link.sendall(encode_request([(p.id, p.token) for _, p in group]))
+            return _read_reply(link, [p.length for _, p in group])
+        except (OSError, ValueError) as exc:
+            self._links.pop(where, None)
+            link.close()
+            return self._failed(where, group, str(exc))
 
     def _link(self, where: str, deadline: float) -> socket.socket:
         link = self._links.get(where)
@@ -160,20 +184,20 @@ class FetchClient:
                                        timeout=max(deadline - time.monotonic(), 0.001))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if scheme == "tls":
-            raw = (self._tls or client_context(None)).wrap_socket(
-                raw, server_hostname=host.strip("[]"))
-        raw.settimeout(None)
+            try:
+                raw = (self._tls or client_context(None)).wrap_socket(
+                    raw, server_hostname=host.strip("[]"))
+            except BaseException:
+                raw.close()
+                raise
         self._links[where] = raw
         return raw
 
-    def _fail(self, where: str, group: list[tuple[int, Parsed]],
-              out: list[memoryview | TensorGone], exc: Exception) -> None:
-        link = self._links.pop(where, None)
-        if link is not None:
-            link.close()
-        for index, _ in group:
-            out[index] = TensorGone(f"the request's input could not be fetched from its API "
-                                    f"process at {where}: {exc}")
+    @staticmethod
+    def _failed(where: str, group: list[tuple[int, Parsed]], why: str) -> list[
+            memoryview | TensorGone]:
+        return [TensorGone(f"the request's input could not be fetched from its API process "
+                           f"at {where}: {why}") for _ in group]
 
 
 def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | TensorGone]:

@@ -205,3 +205,22 @@ def test_fetch_forces_the_endpoint_and_redis_keeps_inputs_inline(
     auto_off = InputArena(0, 1000, lambda model, token: True, tmp_path, endpoint=endpoint,
                           models=models)
     assert auto_off.place("near", _inputs(2000)) is None  # on this host, no arena: Redis
+
+
+def test_an_endpoint_that_cannot_be_reached_is_not_tried_again_at_once() -> None:
+    with socket.socket() as full, socket.socket() as first:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        first.connect(full.getsockname())  # the backlog is full: the next SYN goes unanswered
+        ref = [f"tcp://127.0.0.1:{full.getsockname()[1]}", 1, 100, _later(), bytes(16)]
+        client = FetchClient(0.3)
+        started = time.monotonic()
+        got = client.fetch([ref])
+        waited = time.monotonic() - started
+        started = time.monotonic()
+        again = client.fetch([ref, ref])
+        at_once = time.monotonic() - started
+        client.close()
+    assert waited >= 0.25
+    assert at_once < 0.1
+    assert all(isinstance(g, TensorGone) and "timed out" in str(g) for g in [*got, *again])
