@@ -34,6 +34,7 @@ from batching.names import (
     unknown_model,
     unknown_version,
 )
+from batching.partitions import Spread
 from batching.tensor_arena import Ref
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class InferenceService:
     """What its requests spend outside the inference process, which they carry to it."""
     arena: InputArena | None = None
     """Large inputs through shared memory, to inference processes of this host."""
+    spread: Spread = field(default_factory=Spread)
+    """Which partition of its model each request enters (``queue.partitions``)."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
@@ -158,8 +161,10 @@ class InferenceService:
             reserve = self.outside.reserve_us(model)
             if reserve is not None:
                 request.params[PATH] = reserve
-            admission = Admission(self.keys.queue(model, priority), self.keys.rows_waiting(model),
-                                  parsed.rows, config.queue.max_queue_rows, model)
+            part = self.spread.pick(model, config.queue.partitions)
+            admission = Admission(self.keys.queue(model, priority, part),
+                                  self.keys.rows_waiting(model, part), parsed.rows,
+                                  config.queue.partition_rows, model, part)
             reply = await self.dispatcher.submit(admission, request, left_ms / 1000.0)
             if not reply.ok:
                 raise from_code(reply.error_code, reply.error)

@@ -86,6 +86,15 @@ class QueueConfig:
     max_priority_wait_ms: int | None = None
     """Priority aging (docs/batching.md): a request of a lower level queued this long is
     served ahead of every level; None keeps priority strict."""
+    partitions: int = 1
+    """Sets of streams and counters, each its own hash slot, the model's requests are
+    spread over (docs/data-path.md, "Partitions")."""
+
+    @property
+    def partition_rows(self) -> int:
+        """Each partition's share of ``max_queue_rows``, rounded up: the rows waiting in
+        all partitions together stay below ``max_queue_rows + partitions``."""
+        return -(-self.max_queue_rows // self.partitions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +201,7 @@ class ModelConfig:
                                     batching.latency_target_ms, batching.adaptive),
             queue=QueueConfig(queue.priority_levels, queue.default_priority,
                               queue.max_queue_rows, queue.default_timeout_ms,
-                              queue.max_priority_wait_ms),
+                              queue.max_priority_wait_ms, queue.partitions),
             execution_timeout_s=schema.execution_timeout_s,
             max_batch_cost=schema.max_batch_cost,
             max_deliveries=schema.max_deliveries,

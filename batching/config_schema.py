@@ -23,6 +23,9 @@ INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MAX = 2**63 - 1
 MAX_PRIORITY_LEVELS = 64
+MAX_PARTITIONS = 256
+"""``queue.partitions`` at most: a Redis Cluster has 16,384 slots, and every read of an
+inference process touches each partition."""
 _MAX_ISSUES = 5
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 THREADED_BACKENDS = {"torchscript", "torch_export", "onnx"}
@@ -96,6 +99,8 @@ class QueueSchema(_Section):
     max_priority_wait_ms: Annotated[int, Field(ge=1, le=INT64_MAX // 1000)] | None = None
     """Priority aging: a request of a level below 1 queued this long goes ahead of every
     level. None: strict priority, as in Triton."""
+    partitions: Annotated[int, Field(ge=1, le=MAX_PARTITIONS)] = 1
+    """Sets of streams and counters (hash slots) one model's requests spread over."""
 
 
 class InstanceSchema(_Section):
@@ -267,6 +272,11 @@ def _cross_checks(schema: ConfigSchema, backend: str) -> list[str]:
     if not queue.default_priority <= queue.priority_levels:
         problems.append(f"queue.default_priority must be within 1..priority_levels "
                         f"({queue.priority_levels}), got {queue.default_priority}")
+    share = -(-queue.max_queue_rows // queue.partitions)
+    if queue.partitions > 1 and share < max(schema.max_batch_size, 1):
+        problems.append(f"queue.partitions: each of the {queue.partitions} partitions holds "
+                        f"{share} rows of max_queue_rows ({queue.max_queue_rows}), fewer than "
+                        f"one request may carry (max_batch_size {schema.max_batch_size})")
     for key in ("inputs", "outputs"):
         problems += _tensor_checks(key, getattr(schema, key) or [], schema.max_batch_size > 0)
     problems += _thread_checks(schema, backend)

@@ -60,12 +60,12 @@ class Unavailable(ConveyorError):
 
 class MalformedShape(ConveyorError):
     """A JSON ``shape`` element that is not an unsigned integer (negative, a fraction, a
-    string, a bool): Triton answers this 500 / INTERNAL, and its HTTP test pins that code
-    for a negative dim, so conveyor answers it so too."""
+    string, a bool, a number beyond int64): the client's error, with Triton's text (Triton
+    answers it 500 / INTERNAL, its one server error for bad input)."""
 
     code = "malformed_shape"
-    http_status = 500
-    grpc_status = "INTERNAL"
+    http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
 
 
 class PayloadTooLarge(ConveyorError):

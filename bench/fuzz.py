@@ -103,24 +103,6 @@ class RssSampler(threading.Thread):
             self.peak = max(self.peak, rss_mib(self.pid))
 
 
-TRITON_SHAPE_500 = b"Unable to parse 'shape'"
-SHAPE_500 = "shape-500"
-"""A JSON shape element that is not an unsigned integer: Triton answers 500 with this text
-and its HTTP test pins the code, so conveyor does too (batching.errors.MalformedShape).
-Counted apart, not as a server error."""
-
-
-async def read_rest(reader: asyncio.StreamReader) -> bytes:
-    """The headers and body that follow a status line (the server closes the connection)."""
-    rest = b""
-    try:
-        while len(rest) < 1 << 16 and (chunk := await reader.read(1 << 16)):
-            rest += chunk
-    except OSError:
-        pass
-    return rest
-
-
 async def send_http(host: str, port: int, wire: bytes, timeout: float) -> str:
     """The status code of the answer, "closed" when none came, "hang" past ``timeout``."""
     try:
@@ -142,8 +124,6 @@ async def send_http(host: str, port: int, wire: bytes, timeout: float) -> str:
             if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
                 return "closed"
             status = parts[1].decode()
-            if status == "500" and TRITON_SHAPE_500 in await read_rest(reader):
-                return SHAPE_500
             return status
 
         return await asyncio.wait_for(exchange(), timeout)
