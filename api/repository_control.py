@@ -80,9 +80,11 @@ class Repository:
         self._control = control
         self._seen: dict[str, bytes] = {}
         """The hash value last applied per model: only changes are acted on."""
-        self._pending: dict[str, tuple[ModelConfig, str, float]] = {}
-        """A reload the workers stage, per model: its configuration, its digest and when it
+        self._pending: dict[str, tuple[ModelConfig, dict[str, Any] | None, float]] = {}
+        """A reload the workers stage, per model: its configuration, the load's and when it
         was recorded."""
+        self._serving: dict[str, dict[str, Any] | None] = {}
+        """The configuration a load gave per model, that the registry serves."""
         self._loop = Periodic("conveyor-repository-watch", interval_s, self.sync)
 
     async def start(self) -> None:
@@ -137,25 +139,28 @@ class Repository:
                     self._failed[name] = failure_reason(folder, exc)
                     log.error("cannot load %s: %s", name, self._failed[name])
                     continue
-                if not self._stage(name, config, config_digest(record.config), record.ts):
-                    self._add(name, config)
+                if not self._stage(name, config, record.config, record.ts):
+                    self._add(name, config, record.config)
         self._settle()
 
-    def _stage(self, name: str, config: ModelConfig, digest: str, at: float) -> bool:
-        """Hold ``config`` back while the model's workers serve another: whether it is a
-        reload (the registry switches once they are ready, in :meth:`_settle`)."""
+    def _stage(self, name: str, config: ModelConfig, override: dict[str, Any] | None,
+               at: float) -> bool:
+        """Hold ``config`` (``override``'s) back while the model's workers serve another:
+        whether it is a reload (the registry switches once they are ready, in
+        :meth:`_settle`)."""
         if (name not in self._models or not self._watch.model_ready(name)
-                or self._watch.ready_with(name, digest)):
+                or self._watch.ready_with(name, config_digest(override))):
             return False
-        self._pending[name] = (config, digest, at)
+        self._pending[name] = (config, override, at)
         return True
 
     def _settle(self) -> None:
         """Switch to the configuration of a reload once its processes are ready; keep the
         one that serves if they failed."""
-        for name, (config, digest, at) in list(self._pending.items()):
+        for name, (config, override, at) in list(self._pending.items()):
+            digest = config_digest(override)
             if self._watch.ready_with(name, digest):
-                self._add(name, config)
+                self._add(name, config, override)
             elif (reason := self._reload_failure(name, digest, at)) is not None:
                 del self._pending[name]
                 log.error("reloading %s failed, its loaded version serves: %s", name, reason)
@@ -173,8 +178,10 @@ class Repository:
     def _serves(self, name: str) -> bool:
         return not self._only or name in self._only
 
-    def _add(self, name: str, config: ModelConfig) -> None:
+    def _add(self, name: str, config: ModelConfig,
+             override: dict[str, Any] | None = None) -> None:
         self._pending.pop(name, None)
+        self._serving[name] = override
         self._models[name] = config
         self._unloaded.discard(name)
         self._failed.pop(name, None)
@@ -182,6 +189,7 @@ class Repository:
 
     def _drop(self, name: str) -> None:
         self._pending.pop(name, None)
+        self._serving.pop(name, None)
         self._models.pop(name, None)
         self._failed.pop(name, None)
         self._unloaded.add(name)
@@ -226,12 +234,12 @@ class Repository:
         except Exception as exc:  # the folder's fault, reported to the caller
             self._failed[name] = failure_reason(folder, exc)
             raise InvalidInput(f"failed to load model {name!r}: {self._failed[name]}") from None
-        previous = parse_record(self._seen.get(name)).config
+        previous = self._serving.get(name)
         digest = config_digest(override)
         recorded = await self._record(name, "loaded", override)
-        reload = self._stage(name, config, digest, recorded)
+        reload = self._stage(name, config, override, recorded)
         if not reload:
-            self._add(name, config)
+            self._add(name, config, override)
         deadline = time.monotonic() + LOAD_READY_TIMEOUT_S
         while not self._watch.ready_with(name, digest):
             failure = self._load_failure(name, digest, recorded, reload)
@@ -245,7 +253,7 @@ class Repository:
                                   f"within {LOAD_READY_TIMEOUT_S:.0f} s")
             await asyncio.sleep(READY_POLL_S)
             await self._watch.refresh()
-        self._add(name, config)
+        self._add(name, config, override)
 
     def _load_failure(self, name: str, digest: str, since: float, reload: bool) -> str | None:
         """Why the load recorded at ``since`` failed, once a worker reported it: for a

@@ -155,6 +155,10 @@ def test_failed_reloads_keep_the_loaded_version_and_a_reload_swaps(stack: Stack)
                  "the worker to report the hash's reload failed")
         assert served_config(stack) == before
         assert_serving(stack, traffic)
+        answer = httpx.post(url, json={"parameters": {"config": CANNOT_LOAD}}, timeout=150)
+        assert answer.status_code == 400, answer.text
+        recorded = stack.redis().hget(Keys(stack.prefix).repository(), "digits")
+        assert "config" not in json.loads(cast(bytes, recorded)), "what serves is recorded"
 
         batching = {**before["dynamic_batching"], "max_queue_delay_microseconds": 50}
         faster = {**before, "dynamic_batching": batching}
