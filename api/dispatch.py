@@ -69,6 +69,8 @@ class Admission:
     max_rows: int
     model: str = ""
     """The model's name, for withdrawing the request; "" never withdraws it."""
+    partition: int = 0
+    """The model's partition ``stream`` and ``rows_key`` belong to (``queue.partitions``)."""
 
 
 Pending = tuple[Admission, bytes, "asyncio.Future[Reply]"]
@@ -182,11 +184,22 @@ class Dispatcher:
         Redis cannot be reached the worker runs it and nobody reads the answer."""
         if not admission.model or self._writer is None:
             return
-        keys = self._keys
+        keys, model = self._keys, admission.model
+        # The stats hash lives in partition 0's slot: another partition's withdrawal is
+        # counted by a command of its own, once the script says it deleted the entry.
+        counted = [keys.stats(model)] if admission.partition == 0 else []
+        handler = _withdrawn if counted else partial(self._count_withdrawn, model)
         self._writer.write(self._writer.prepare([(
-            "EVAL", WITHDRAW.text, 4, admission.rows_key, admission.stream,
-            keys.withdrawn(admission.model), keys.stats(admission.model), GROUP, entry_id,
-            admission.rows, deadline_ms, int(time.time() * 1000))]), [_withdrawn])
+            "EVAL", WITHDRAW.text, 3 + len(counted), admission.rows_key, admission.stream,
+            keys.withdrawn(model, admission.partition), *counted, GROUP, entry_id,
+            admission.rows, deadline_ms, int(time.time() * 1000))]), [handler])
+
+    def _count_withdrawn(self, model: str, reply: Any) -> None:
+        """A withdrawal from a partition other than 0 answered: count a deleted entry."""
+        _withdrawn(reply)
+        if reply == 1 and self._writer is not None:
+            self._writer.write(self._writer.prepare([
+                ("HINCRBY", self._keys.stats(model), "withdrawn_count", 1)]), [_withdrawn])
 
     def _note_exec(self, model: str, seconds: float) -> None:
         seen = self._exec_s.get(model)

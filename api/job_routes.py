@@ -113,7 +113,8 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
                                         f"the lowest, {config.queue.priority_levels}"),
             chunk_rows=min(settings.job_chunk_rows or config.max_batch_size,
                            config.max_batch_size),
-            max_queue_rows=config.queue.max_queue_rows, created_at=time.time(),
+            # A job's chunks enter partition 0, against its share of the limit.
+            max_queue_rows=config.queue.partition_rows, created_at=time.time(),
             outputs=parsed.outputs, callback_url=await _callback_url(parsed, callback_hosts),
             owner=_owner(_principal(request)))
         await _store(record, pack_tensors(parsed.inputs))

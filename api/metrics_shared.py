@@ -76,13 +76,15 @@ class SharedState(Collector):
         self.beats = dict(beats)
         names = sorted(models)
         levels = {m: models[m].queue.priority_levels for m in names}
+        parts = {m: models[m].queue.partitions for m in names}
         pipe = redis.pipeline(transaction=False)
         for model in names:
-            queues = keys.queues(model, levels[model])
-            for stream in queues:
-                pipe.xlen(stream)
-            pipe.eval(QUEUE_AGE_LUA, len(queues), *queues, GROUP)
-            pipe.get(keys.rows_waiting(model))
+            for part in range(parts[model]):  # each partition is a slot of its own
+                queues = keys.queues(model, levels[model], part)
+                for stream in queues:
+                    pipe.xlen(stream)
+                pipe.eval(QUEUE_AGE_LUA, len(queues), *queues, GROUP)
+                pipe.get(keys.rows_waiting(model, part))
             pipe.hgetall(keys.stats(model))
         pipe.hgetall(keys.jobs_counted())
         try:
@@ -91,15 +93,20 @@ class SharedState(Collector):
             self.redis_up = False
             return
         self.redis_up = True
-        depth, oldest, waiting, totals = {}, {}, {}, {}
+        depth: dict[tuple[str, str], int] = {}
+        oldest: dict[tuple[str, str], float] = {}
+        waiting, totals = {}, {}
         for model in names:
             priorities = [str(p) for p in range(1, levels[model] + 1)]
-            for p in priorities:
-                depth[model, p] = int(next(results))
-            now_ms, *first = next(results)
-            for p, entry in zip(priorities, first, strict=True):
-                oldest[model, p] = _age_s(int(now_ms), entry)
-            waiting[model] = max(0, int(next(results) or 0))
+            waiting[model] = 0
+            for _ in range(parts[model]):  # depths and rows summed, the oldest of any
+                for p in priorities:
+                    depth[model, p] = depth.get((model, p), 0) + int(next(results))
+                now_ms, *first = next(results)
+                for p, entry in zip(priorities, first, strict=True):
+                    oldest[model, p] = max(oldest.get((model, p), 0.0),
+                                           _age_s(int(now_ms), entry))
+                waiting[model] += max(0, int(next(results) or 0))
             totals[model] = _ints(next(results))
         self.depth, self.oldest_s, self.waiting, self.totals = depth, oldest, waiting, totals
         self.jobs = _ints(next(results))

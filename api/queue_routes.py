@@ -4,10 +4,11 @@ Requests wait in each model's Redis streams (one per priority level), not in Cel
 queues, so Flower's Broker page never shows them. This page reads them at request time,
 in one round trip: per stream its entries (``XLEN``), those an inference process has read
 and not answered yet (``running``: the consumer group's pending entries) and the rest
-(``waiting``); per model the rows counted against
-``max_queue_rows`` and the dead-letter stream's length. JSON, or an HTML table when the
-client asks for ``text/html`` (a browser). Like ``/metrics``, which carries the same
-depths, it is open unless ``CONVEYOR_AUTH_METRICS=1``.
+(``waiting``); per model the rows counted against ``max_queue_rows`` (summed over its
+partitions) and the dead-letter stream's length. A model with several partitions
+(``queue.partitions``) lists each partition's streams, each naming its partition. JSON,
+or an HTML table when the client asks for ``text/html`` (a browser). Like ``/metrics``,
+which carries the same depths, it is open unless ``CONVEYOR_AUTH_METRICS=1``.
 """
 
 from __future__ import annotations
@@ -44,34 +45,39 @@ async def read_queues(service: InferenceService) -> dict[str, Any]:
     """Every served model's streams, read in one pipeline."""
     keys, models = service.keys, service.models
     names = sorted(models)
-    streams = [(model, p) for model in names
-               for p in range(1, models[model].queue.priority_levels + 1)]
+    streams = [(model, p, part) for model in names
+               for p in range(1, models[model].queue.priority_levels + 1)
+               for part in range(models[model].queue.partitions)]
     pipe = service.dispatcher.redis.pipeline(transaction=False)
-    for model, priority in streams:
-        pipe.xlen(keys.queue(model, priority))
-        pipe.xinfo_groups(keys.queue(model, priority))
+    for model, priority, part in streams:
+        pipe.xlen(keys.queue(model, priority, part))
+        pipe.xinfo_groups(keys.queue(model, priority, part))
     for model in names:
-        pipe.get(keys.rows_waiting(model))
+        for part in range(models[model].queue.partitions):
+            pipe.get(keys.rows_waiting(model, part))
         pipe.xlen(keys.dead_letter(model))
     try:
         # A stream nobody wrote to yet has no group: XINFO answers an error, read as none.
         results = await pipe.execute(raise_on_error=False)
     except REDIS_FAILED as exc:
         raise Unavailable(f"Redis unreachable: {exc}") from exc
-    per_stream, per_model = results[:2 * len(streams)], results[2 * len(streams):]
-    found: dict[str, dict[str, Any]] = {
-        model: {"name": model, "max_queue_rows": models[model].queue.max_queue_rows,
-                "rows_waiting": _int(per_model[2 * i]), "dead_letter": _int(per_model[2 * i + 1]),
-                "streams": []}
-        for i, model in enumerate(names)}
-    for (model, priority), length, groups in zip(streams, per_stream[::2], per_stream[1::2],
-                                                 strict=True):
+    per_stream, per_model = results[:2 * len(streams)], iter(results[2 * len(streams):])
+    found: dict[str, dict[str, Any]] = {}
+    for model in names:
+        rows = sum(_int(next(per_model)) for _ in range(models[model].queue.partitions))
+        found[model] = {"name": model, "max_queue_rows": models[model].queue.max_queue_rows,
+                        "rows_waiting": rows, "dead_letter": _int(next(per_model)),
+                        "streams": []}
+    for (model, priority, part), length, groups in zip(streams, per_stream[::2],
+                                                       per_stream[1::2], strict=True):
         entries = _int(length)
         group = _group(groups)
         running = min(entries, _int(group.get("pending")))
+        # "partition" only where there are several: one partition's page reads as before.
+        where = {"partition": part} if models[model].queue.partitions > 1 else {}
         found[model]["streams"].append({
-            "priority": priority, "stream": keys.queue(model, priority), "entries": entries,
-            "waiting": entries - running, "running": running})
+            "priority": priority, **where, "stream": keys.queue(model, priority, part),
+            "entries": entries, "waiting": entries - running, "running": running})
     return {"read_at": round(time.time(), 3), "models": list(found.values())}
 
 

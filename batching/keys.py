@@ -1,7 +1,11 @@
 """Every Redis key conveyor uses is built here; no key strings elsewhere.
 
 ``{model}`` in braces is a Redis Cluster hash tag: all keys of one model share a slot,
-so multi-key commands on them stay legal in a cluster.
+so multi-key commands on them stay legal in a cluster. A model with ``queue.partitions``
+N above 1 has N sets of streams, rows counter and withdrawn set: partition 0 under
+``{model}`` (the layout of a model with one partition), partition p under ``{model#p}``,
+each its own slot, so one model's requests spread over up to N nodes of a cluster. Model
+names never hold ``#`` (batching/names.py), so no model's tag is another's partition.
 """
 
 from __future__ import annotations
@@ -18,20 +22,49 @@ COMPUTE_PHASES = ("compute_input", "compute_infer", "compute_output")
 
 
 @dataclass(frozen=True, slots=True)
+class Partition:
+    """The keys of one partition of a model: what admission, release, withdrawal and
+    reconciliation touch together, all in one slot."""
+
+    streams: tuple[str, ...]
+    """Its request streams, highest priority first."""
+    rows: str
+    """Its rows-waiting counter."""
+    withdrawn: str
+    """Its withdrawn set."""
+
+
+def _tag(model: str, partition: int) -> str:
+    """The hash tag of a model's partition: ``{model}`` for partition 0."""
+    return f"{{{model}}}" if partition == 0 else f"{{{model}#{partition}}}"
+
+
+@dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "cv"
 
-    def queue(self, model: str, priority: int) -> str:
-        """Stream of requests of one priority level (1 = highest)."""
-        return f"{self.prefix}:{{{model}}}:q:{priority}"
+    def queue(self, model: str, priority: int, partition: int = 0) -> str:
+        """Stream of requests of one priority level (1 = highest) of one partition."""
+        return f"{self.prefix}:{_tag(model, partition)}:q:{priority}"
 
-    def queues(self, model: str, levels: int) -> list[str]:
-        """A model's request streams, highest priority first."""
-        return [self.queue(model, p) for p in range(1, levels + 1)]
+    def queues(self, model: str, levels: int, partition: int = 0) -> list[str]:
+        """A partition's request streams, highest priority first."""
+        return [self.queue(model, p, partition) for p in range(1, levels + 1)]
 
-    def rows_waiting(self, model: str) -> str:
-        """Counter of rows admitted and not yet answered (the queue limit's measure)."""
-        return f"{self.prefix}:{{{model}}}:rows"
+    def rows_waiting(self, model: str, partition: int = 0) -> str:
+        """Counter of rows admitted and not yet answered in one partition (the queue
+        limit's measure)."""
+        return f"{self.prefix}:{_tag(model, partition)}:rows"
+
+    def partition(self, model: str, levels: int, partition: int) -> Partition:
+        """The keys of one partition of a model of ``levels`` priority levels."""
+        return Partition(tuple(self.queues(model, levels, partition)),
+                         self.rows_waiting(model, partition),
+                         self.withdrawn(model, partition))
+
+    def partitions(self, model: str, levels: int, count: int) -> list[Partition]:
+        """Every partition of a model (``count``: its ``queue.partitions``), 0 first."""
+        return [self.partition(model, levels, p) for p in range(count)]
 
     def reply(self, api_id: str) -> str:
         """List of encoded replies for one API process; ``{api_id}`` is its hash tag (each
@@ -46,11 +79,11 @@ class Keys:
         crash of that consumer is blamed on."""
         return f"{self.prefix}:{{{model}}}:suspects"
 
-    def withdrawn(self, model: str) -> str:
-        """Sorted set of entries whose clients left after a worker read them: member
-        "<stream> <entry id>", score the request's deadline (ms). The worker holding one
-        drops it unrun (batching/lua/withdraw.lua)."""
-        return f"{self.prefix}:{{{model}}}:withdrawn"
+    def withdrawn(self, model: str, partition: int = 0) -> str:
+        """Sorted set of a partition's entries whose clients left after a worker read them:
+        member "<stream> <entry id>", score the request's deadline (ms). The worker
+        holding one drops it unrun (batching/lua/withdraw.lua)."""
+        return f"{self.prefix}:{_tag(model, partition)}:withdrawn"
 
     def stats(self, model: str) -> str:
         """Hash of counters the workers add to with every batch (Triton's statistics)."""

@@ -1,10 +1,11 @@
 """Model names: the one check every path that takes a name goes through.
 
-A model name is ``[A-Za-z0-9_.-]{1,128}``, never ``.`` or ``..`` and with no ``..`` in
-it, and it names a folder that lies inside the model repository once every symlink is
-resolved. Whatever fails (a bad name, a folder outside the repository, no folder at
-all) gets the same answer, :func:`unknown_model`, whose text holds no path: a client
-learns nothing about the server's file system from it.
+A model name is ``[A-Za-z0-9_.-]{1,128}`` (so never ``#``, which the partitions' hash
+tags of batching/keys.py rely on), never ``.`` or ``..`` and with no ``..`` in it, and it
+names a folder that lies inside the model repository once every symlink is resolved.
+Whatever fails (a bad name, a folder outside the repository, no folder at all) gets the
+same answer, :func:`unknown_model`, whose text holds no path: a client learns nothing
+about the server's file system from it.
 """
 
 from __future__ import annotations

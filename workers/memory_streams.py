@@ -121,14 +121,14 @@ class MemoryStreams:
                                *self._unread.values())
         return sum(stored.rows for stored in held)
 
-    def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
+    def read(self, count: int, block_ms: int | None, levels: int | None = None,
              poll: bool = False) -> list[Entry]:
-        """Up to ``count`` new entries of each stream, highest priority first; never waits
-        (but takes ``read_s``)."""
+        """Up to ``count`` new entries of each stream of the top ``levels`` (None: all),
+        highest priority first; never waits (but takes ``read_s``)."""
         time.sleep(self.read_s)
         self.withdrawn = dict(self._marks)
         entries = []
-        for name in streams or self.streams:
+        for name in self.streams[:levels]:
             unread = self._unread[name]
             for _ in range(min(count, len(unread))):
                 entries.append(self._hand_out(unread.popleft()))

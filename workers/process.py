@@ -88,10 +88,12 @@ def _serve(model_name: str, device: str, index: int, shared: SharedState, settin
         heartbeat.info["shm"] = shm
     heartbeat.start()
     link = blocking_link(settings.redis_url, BLOCK_MS / 1000 + 5, settings.lean_redis)
-    streams = ModelStreams(client, link, keys.queues(model_name, config.queue.priority_levels),
-                           keys.stats(model_name), keys.rows_waiting(model_name), consumer,
-                           settings.busy_poll_us / 1e6, suspects_key=keys.suspects(model_name),
-                           withdrawn_key=keys.withdrawn(model_name))
+    first, *more = keys.partitions(model_name, config.queue.priority_levels,
+                                   config.queue.partitions)
+    streams = ModelStreams(client, link, list(first.streams), keys.stats(model_name), first.rows,
+                           consumer, settings.busy_poll_us / 1e6,
+                           suspects_key=keys.suspects(model_name), withdrawn_key=first.withdrawn,
+                           more=tuple(more))
     reclaimer = Reclaimer(client, keys, model_name, streams, settings.heartbeat_stale_s)
     lone = (lone_threads(config, settings.reserved_cores, device)
             if settings.lone_all_cores else None)

@@ -10,17 +10,21 @@ older data, a worker of an older version releasing in several commands.
 
 So each inference process recomputes the counter with reconcile.lua every
 :data:`RECONCILE_EVERY_S`, and at once when Redis may have lost data: a consumer group
-gone (NOGROUP), or Redis answering again after an error (a restart, a failover).
+gone (NOGROUP), or Redis answering again after an error (a restart, a failover). A model
+with several partitions (``queue.partitions``) has a counter per partition, each
+recomputed from its own partition's streams (one script call each: one slot each).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
 from redis.commands.core import Script
 
+from batching.keys import Partition
 from batching.lua import script
 
 log = logging.getLogger("conveyor.reconcile")
@@ -41,6 +45,8 @@ class RowsReconciler:
     max_entry_rows: int
     """The most rows one entry may hold: the model's ``max_batch_size``."""
     interval_s: float = RECONCILE_EVERY_S
+    partitions: Sequence[Partition] = ()
+    """The model's other partitions (``rows_key`` and ``streams`` are partition 0's)."""
     _next: float = 0.0
     _script: Script = field(init=False)
 
@@ -57,11 +63,16 @@ class RowsReconciler:
         return now >= self._next
 
     def run(self, now: float) -> tuple[int, int]:
-        """Set the counter to the rows in the streams; return it before and after."""
+        """Set each counter to the rows in its streams; return their sum before and after."""
         self._next = now + self.interval_s
-        before, after = self._script(keys=[self.rows_key, *self.streams],
-                                     args=[self.max_entry_rows, SCAN_BYTES])
-        if before != after:
-            log.warning("%s said %d rows wait; corrected to %d from the streams",
-                        self.rows_key, before, after)
-        return int(before), int(after)
+        total_before = total_after = 0
+        parts = [(self.rows_key, self.streams), *((p.rows, p.streams) for p in self.partitions)]
+        for rows_key, streams in parts:
+            before, after = self._script(keys=[rows_key, *streams],
+                                         args=[self.max_entry_rows, SCAN_BYTES])
+            if before != after:
+                log.warning("%s said %d rows wait; corrected to %d from the streams",
+                            rows_key, before, after)
+            total_before += int(before)
+            total_after += int(after)
+        return total_before, total_after

@@ -36,14 +36,14 @@ class StreamPort(Protocol):
     """A model's request streams as one inference process sees them."""
 
     streams: list[str]
-    """The request streams, highest priority first."""
+    """The request streams (every partition's), highest priority first."""
     on_data_lost: Callable[[str], None]
     """Told when the streams show they lost data."""
 
-    def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
+    def read(self, count: int, block_ms: int | None, levels: int | None = None,
              poll: bool = False) -> list[Entry]:
-        """New entries, highest priority stream first; ``block_ms=None`` does not block.
-        Also refreshes :attr:`withdrawn`."""
+        """New entries of the top ``levels`` priority levels (None: all), highest
+        priority first; ``block_ms=None`` does not block. Also refreshes :attr:`withdrawn`."""
         ...
 
     withdrawn: dict[str, str]

@@ -24,6 +24,9 @@ Each read also fetches, in the same round trip, the model's withdrawn set: entri
 clients left after a worker read them (batching/lua/withdraw.lua). The loop drops those it
 holds unrun, and :meth:`ModelStreams.withdraw` releases them like an answer, without a
 reply.
+A model with several partitions (``queue.partitions``) has streams, a rows counter and a
+withdrawn set per partition: a read takes every partition's (workers/stream_reads.py), and
+each entry is released, and its mark removed, in its own partition's keys.
 Reads and answers, once per batch, use the lean client of :mod:`batching.resp`, and an
 answer's replies are read with the next read's (on a cluster, its releases' replies);
 the rarer calls (claims, dead letters) use redis-py.
@@ -40,13 +43,14 @@ from typing import Any
 import redis
 from redis.exceptions import ResponseError
 
-from batching.envelope import FIELD, ROWS_FIELD, Reply, Request
+from batching.envelope import FIELD, Reply, Request
 from batching.former import Entry
-from batching.keys import GROUP
+from batching.keys import GROUP, Partition
 from batching.lua import script
 from batching.redis_links import BlockingLink
 from batching.resp import Command, RespError
 from workers.reconcile import RowsReconciler
+from workers.stream_reads import IdleWait, Reads, entry_rows, fields_of, text
 
 log = logging.getLogger(__name__)
 
@@ -70,22 +74,26 @@ def _no_loss(why: str) -> None:
 class ModelStreams:
     def __init__(self, client: redis.Redis, link: BlockingLink, streams: list[str], stats_key: str,
                  rows_key: str, consumer: str, busy_poll_s: float = 0.0, *,
-                 suspects_key: str, withdrawn_key: str | None = None) -> None:
-        """``withdrawn_key``: the model's withdrawn set, fetched with every read (None:
-        never fetched)."""
+                 suspects_key: str, withdrawn_key: str | None = None,
+                 more: tuple[Partition, ...] = ()) -> None:
+        """``streams``, ``rows_key`` and ``withdrawn_key`` are partition 0's; ``more`` the
+        model's other partitions (``queue.partitions`` above 1). The withdrawn sets are
+        fetched with every read (``withdrawn_key`` None: never fetched)."""
         self._redis = client
-        self.withdrawn_key = withdrawn_key
-        self._check: list[Command] = [] if withdrawn_key is None else [
-            ("ZRANGE", withdrawn_key, 0, -1)]
+        self.parts = (Partition(tuple(streams), rows_key, withdrawn_key or ""), *more)
+        self._part_of = {stream: part for part in self.parts for stream in part.streams}
+        """Stream -> the partition it belongs to."""
+        self._reads = Reads(self.parts, consumer, link.splits, withdrawn_key is not None)
+        self._idle = IdleWait()
         self.withdrawn: dict[str, str] = {}
         """Marks fetched with the last read: entry id -> stream (empty: none)."""
         self.suspects_key = suspects_key
         self._on_trial = False
         self.busy_poll_s = busy_poll_s
         self._link = link
-        self.streams = streams
+        self.streams = self._reads.streams
+        """Every partition's streams, by priority level."""
         self.stats_key = stats_key
-        self.rows_key = rows_key
         self._counts: Counter[str] = Counter()
         self._latest: dict[str, int] = {}
         self._next_flush = 0.0
@@ -103,7 +111,9 @@ class ModelStreams:
     def reconciler(self, max_entry_rows: int) -> RowsReconciler:
         """What keeps the rows-waiting counter true to these streams (``max_entry_rows``:
         the model's ``max_batch_size``), on the same Redis client."""
-        return RowsReconciler(self._redis, self.rows_key, self.streams, max_entry_rows)
+        first = self.parts[0]
+        return RowsReconciler(self._redis, first.rows, list(first.streams),
+                              max_entry_rows, partitions=self.parts[1:])
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every stream (from the start: nothing is skipped)."""
@@ -117,7 +127,7 @@ class ModelStreams:
     def pending_by_consumer(self, stream: str) -> dict[str, int]:
         """Consumers with unacknowledged entries on ``stream``, and how many each holds."""
         summary = self._redis.xpending(stream, GROUP)
-        return {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+        return {text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
 
     def claim_from(self, stream: str, consumer: str, count: int) -> list[Entry]:
         """Take over up to ``count`` entries pending on ``consumer`` (a dead one), now.
@@ -137,11 +147,11 @@ class ModelStreams:
                                              consumername=consumer)
         if not pending:
             return []
-        blamed = _text(self._redis.hget(self.suspects_key, consumer) or b"")
+        blamed = text(self._redis.hget(self.suspects_key, consumer) or b"")
         deliveries: dict[str, int] = {}
         idle_ms: dict[str, int] = {}
         for p in pending:
-            entry_id, times = _text(p["message_id"]), int(p["times_delivered"])
+            entry_id, times = text(p["message_id"]), int(p["times_delivered"])
             suspect = blamed == _trial(stream, entry_id)
             deliveries[entry_id] = times + 1 if times == 1 or suspect else times
             idle_ms[entry_id] = int(p["time_since_delivered"])
@@ -173,7 +183,7 @@ class ModelStreams:
         pipe = self._redis.pipeline(transaction=False)
         for entry_id, _ in claimed:
             pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
-        deliveries = {_text(p[0]["message_id"]): int(p[0]["times_delivered"])
+        deliveries = {text(p[0]["message_id"]): int(p[0]["times_delivered"])
                       for p in pipe.execute() if p}
         return self._entries(stream, claimed, deliveries)
 
@@ -190,32 +200,31 @@ class ModelStreams:
     def forget_idle_consumers(self, stream: str, live: set[str], idle_ms: int) -> None:
         """Delete group consumers that hold nothing, have no heartbeat and sat idle long."""
         for info in self._redis.xinfo_consumers(stream, GROUP):
-            name = _text(info["name"])
+            name = text(info["name"])
             if name not in live and int(info["pending"]) == 0 and int(info["idle"]) > idle_ms:
                 self._redis.xgroup_delconsumer(stream, GROUP, name)
                 self._redis.hdel(self.suspects_key, name)
 
-    def read(self, count: int, block_ms: int | None, streams: list[str] | None = None,
+    def read(self, count: int, block_ms: int | None, levels: int | None = None,
              poll: bool = False) -> list[Entry]:
-        """New entries, highest priority stream first; ``block_ms=None`` does not block.
-        With ``poll``, a blocking read polls for the first ``busy_poll_s``, then sleeps."""
-        names = streams or self.streams
-        command: list[str | int] = ["XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", count]
-        if block_ms is not None:
-            command += ["BLOCK", block_ms]
-        command += ["STREAMS", *names, *(">" for _ in names)]
+        """New entries of the top ``levels`` priority levels (None: all), highest first;
+        ``block_ms=None`` does not block. With ``poll``, a blocking read polls for the
+        first ``busy_poll_s``, then sleeps. Several partitions on a cluster never block
+        in Redis: a read that finds nothing waits a little instead (:class:`IdleWait`)."""
+        commands = self._reads.commands(count, block_ms, levels)
         try:
-            replies = self._link.execute([command, *self._check],
-                                         self.busy_poll_s if poll else 0.0)
+            replies = self._link.execute(commands, self.busy_poll_s if poll else 0.0)
         except RespError as exc:
             self.on_missing_group(exc)
             return []
-        result = replies[0]
-        if self._check:
-            self._note_withdrawn(replies[1])
+        got, members = self._reads.entries(replies)
+        if members is not None:
+            self._note_withdrawn(members)
         entries = []
-        for stream, items in result or []:
-            entries.extend(self._entries(_text(stream), items, {}))
+        for stream, items in got:
+            entries.extend(self._entries(stream, items, {}))
+        if block_ms is not None and not self._reads.blocks:
+            self._idle.found(bool(got))
         return entries
 
     def _note_withdrawn(self, members: list[bytes]) -> None:
@@ -223,7 +232,7 @@ class ModelStreams:
             return
         marks = {}
         for member in members:
-            stream, _, entry_id = _text(member).rpartition(" ")
+            stream, _, entry_id = text(member).rpartition(" ")
             marks[entry_id] = stream
         self.withdrawn = marks
 
@@ -236,24 +245,33 @@ class ModelStreams:
             by_stream[entry.stream] += (entry.entry_id, entry.rows)
             self.withdrawn.pop(entry.entry_id, None)
         self._counts["withdrawn_count"] += len(entries)
-        commands = self._due_counts()
-        for stream, released in by_stream.items():
-            commands.append(("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released))
-        if self.withdrawn_key is not None:
-            commands.append(("ZREM", self.withdrawn_key,
-                             *(_mark(e) for e in entries)))
+        commands = self._due_counts() + self._releases(by_stream)
+        if self._reads.marks:
+            commands += self._unmark(entries)
         self._link.send(commands)
+
+    def _releases(self, by_stream: dict[str, list[str | int]]) -> list[Command]:
+        """release.lua for each stream's entries (ids and rows), on its partition's rows."""
+        return [("EVAL", RELEASE_LUA, 2, self._part_of[stream].rows, stream, GROUP, *released)
+                for stream, released in by_stream.items()]
+
+    def _unmark(self, entries: list[Entry]) -> list[Command]:
+        """The marks of ``entries`` off their partitions' withdrawn sets."""
+        marks: dict[str, list[str]] = defaultdict(list)
+        for entry in entries:
+            marks[self._part_of[entry.stream].withdrawn].append(_mark(entry))
+        return [("ZREM", key, *members) for key, members in marks.items()]
 
     def _entries(self, stream: str, items: list[Any], deliveries: dict[str, int]) -> list[Entry]:
         now = time.time()
         entries = []
         for raw_id, fields in items:
-            entry_id = _text(raw_id)
+            entry_id = text(raw_id)
             try:
-                request = Request.decode(_fields(fields)[FIELD])
+                request = Request.decode(fields_of(fields)[FIELD])
             except (KeyError, ValueError, TypeError) as exc:
                 log.error("dropping unreadable entry %s %s: %s", stream, entry_id, exc)
-                self._drop(stream, entry_id, _rows(fields))
+                self._drop(stream, entry_id, entry_rows(fields))
                 continue
             entries.append(Entry(stream, entry_id, request, now, deliveries.get(entry_id, 1)))
         return entries
@@ -276,23 +294,21 @@ class ModelStreams:
         commands = self._due_counts() if self.counts_pending else []
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str | int]] = defaultdict(list)
-        marked: list[str] = []
+        marked: list[Entry] = []
         for entry, reply in answered:
             by_reply[entry.request.reply].append(reply.encode())
             by_stream[entry.stream] += (entry.entry_id, entry.rows)
             if self.withdrawn and self.withdrawn.get(entry.entry_id) == entry.stream:
                 del self.withdrawn[entry.entry_id]  # its client left while it ran
-                marked.append(_mark(entry))
+                marked.append(entry)
         for key, blobs in by_reply.items():
             commands.append(("RPUSH", key, *blobs))
             commands.append(("EXPIRE", key, REPLY_TTL_S))
-        releases: list[Command] = [
-            ("EVAL", RELEASE_LUA, 2, self.rows_key, stream, GROUP, *released)
-            for stream, released in by_stream.items()]
-        if marked and self.withdrawn_key is not None:
+        releases = self._releases(by_stream)
+        if marked and self._reads.marks:
             # The mark of an entry that ran anyway goes with its release: the set that
             # every read fetches holds only entries still waiting.
-            releases.append(("ZREM", self.withdrawn_key, *marked))
+            releases += self._unmark(marked)
         after: list[Command] = []
         if self._on_trial:
             self._on_trial = False
@@ -370,30 +386,13 @@ class ModelStreams:
     def _drop(self, stream: str, entry_id: str, rows: int) -> None:
         """An entry that cannot be decoded has no reply address: acknowledge and delete it,
         and release its rows from the queue limit."""
-        self._redis.eval(RELEASE_LUA.decode(), 2, self.rows_key, stream, GROUP, entry_id, rows)
+        self._redis.eval(RELEASE_LUA.decode(), 2, self._part_of[stream].rows, stream, GROUP,
+                         entry_id, rows)
 
 
 def _mark(entry: Entry) -> str:
     """An entry's member in the withdrawn set, as batching/lua/withdraw.lua writes it."""
     return f"{entry.stream} {entry.entry_id}"
-
-
-def _fields(fields: Any) -> dict[bytes, bytes]:
-    """An entry's fields as a dict: redis-py gives one, the lean client a flat
-    ``[name, value, ...]`` list."""
-    if isinstance(fields, list):
-        return dict(zip(fields[::2], fields[1::2], strict=True))
-    if not isinstance(fields, dict):
-        raise TypeError(f"entry fields are a {type(fields).__name__}")
-    return fields
-
-
-def _rows(fields: Any) -> int:
-    """The rows an entry holds, from its ``r`` field; 0 when even that is unreadable."""
-    try:
-        return max(0, int(_fields(fields)[ROWS_FIELD]))
-    except (KeyError, ValueError, TypeError):
-        return 0
 
 
 def _trial(stream: str, entry_id: str) -> str:
@@ -404,9 +403,5 @@ def _trial(stream: str, entry_id: str) -> str:
 
 def _order(entry_id: bytes | str) -> tuple[int, int]:
     """A stream entry id's place in its stream."""
-    ms, _, seq = _text(entry_id).partition("-")
+    ms, _, seq = text(entry_id).partition("-")
     return int(ms), int(seq or 0)
-
-
-def _text(value: bytes | str | int) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -33,17 +33,19 @@ log = logging.getLogger(__name__)
 READ_COUNT = 256
 
 
-def turn_away(client: redis.Redis, redis_url: str, keys: Keys, model: str, levels: int) -> int:
-    """Answer the requests of ``model`` left unread by its unload with a 404; return how
-    many."""
+def turn_away(client: redis.Redis, redis_url: str, keys: Keys, model: str, levels: int,
+              partitions: int = 1) -> int:
+    """Answer the requests of ``model`` (in each of its ``partitions``) left unread by its
+    unload with a 404; return how many."""
     if not _unloaded(client, keys, model):
         return 0
     seconds, micros = client.time()
     cutoff_ms = int(seconds) * 1000 + int(micros) // 1000
     consumer = f"{socket.gethostname()}:{os.getpid()}:{model}:unloaded"
     link = blocking_link(redis_url, timeout_s=5.0)
-    streams = ModelStreams(client, link, keys.queues(model, levels), keys.stats(model),
-                           keys.rows_waiting(model), consumer, suspects_key=keys.suspects(model))
+    first, *more = keys.partitions(model, levels, partitions)
+    streams = ModelStreams(client, link, list(first.streams), keys.stats(model), first.rows,
+                           consumer, suspects_key=keys.suspects(model), more=tuple(more))
     error = ModelNotFound(f"model {model!r} was unloaded before this request ran")
     answered, left = 0, False
     try:

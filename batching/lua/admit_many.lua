@@ -1,8 +1,9 @@
 -- Admit several requests into one model's priority stream, each as admit.lua would in
 -- turn: a request that would take the model past its row limit is refused and writes
 -- nothing, and the ones after it are still tried against the rows admitted so far.
--- KEYS[1]: the model's rows-waiting counter; KEYS[2]: the priority stream.
--- ARGV[1]: max_queue_rows; then, per request, its rows (also stored as field r, so an
+-- KEYS[1]: the rows-waiting counter of the stream's partition (queue.partitions; the
+-- model's, with one); KEYS[2]: the priority stream.
+-- ARGV[1]: max_queue_rows (the partition's share of it); then, per request, its rows (also stored as field r, so an
 -- entry that cannot be decoded still releases them) and the packed request.
 -- Returns, per request in order, {rows waiting after its admission, entry id}, or
 -- {-(rows waiting) - 1, ''} when refused.

@@ -1,8 +1,9 @@
 -- Withdraw a request whose client left before its answer (an HTTP client hung up, a gRPC
 -- call was cancelled), so that the model never runs it.
--- KEYS[1]: the model's rows-waiting counter; KEYS[2]: the request's stream; KEYS[3]: the
--- model's withdrawn set (sorted set, member "<stream> <entry id>", score its deadline in
--- ms); KEYS[4]: the model's stats hash.
+-- KEYS[1]: its partition's rows-waiting counter; KEYS[2]: the request's stream; KEYS[3]: the
+-- partition's withdrawn set (sorted set, member "<stream> <entry id>", score its deadline in
+-- ms); KEYS[4], when given: the model's stats hash (in another slot for a partition other
+-- than 0, whose withdrawals the caller counts itself).
 -- ARGV[1]: the consumer group; ARGV[2]: the entry id; ARGV[3]: its rows; ARGV[4]: its
 -- deadline (ms since the epoch); ARGV[5]: now (ms since the epoch).
 -- Not yet delivered to a worker: the entry is deleted, its rows released and it is
@@ -20,7 +21,9 @@ if ok and #pending > 0 then
 end
 if redis.call('XDEL', KEYS[2], ARGV[2]) == 1 then
   redis.call('DECRBY', KEYS[1], ARGV[3])
-  redis.call('HINCRBY', KEYS[4], 'withdrawn_count', 1)
+  if #KEYS >= 4 then
+    redis.call('HINCRBY', KEYS[4], 'withdrawn_count', 1)
+  end
   return 1
 end
 return 0
