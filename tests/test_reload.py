@@ -107,6 +107,11 @@ def failed_beat(stack: Stack, digest: str, since: float) -> bool:
                and beat.get("since", 0) > since for beat in map(json.loads, beats))
 
 
+def api_dropped(stack: Stack) -> int:
+    """How many reloads recorded in the hash the API saw fail (and kept what serves)."""
+    return stack.apis[0][0].log().count("reloading digits failed, its loaded version serves")
+
+
 def served_config(stack: Stack) -> dict[str, Any]:
     answer = httpx.get(f"{stack.url}/v2/models/digits/config")
     assert answer.status_code == 200, answer.text
@@ -153,6 +158,7 @@ def test_failed_reloads_keep_the_loaded_version_and_a_reload_swaps(stack: Stack)
                            record_value("loaded", time.time(), bad))
         wait_for(lambda: failed_beat(stack, config_digest(bad), at), 60,
                  "the worker to report the hash's reload failed")
+        wait_for(lambda: api_dropped(stack) == 1, 30, "the API to drop the hash's reload")
         assert served_config(stack) == before
         assert_serving(stack, traffic)
         answer = httpx.post(url, json={"parameters": {"config": CANNOT_LOAD}}, timeout=150)
@@ -180,6 +186,7 @@ def test_failed_reloads_keep_the_loaded_version_and_a_reload_swaps(stack: Stack)
             assert done.returncode == 0, done.stderr
             wait_for(lambda: failed_beat(stack, "", at), 60,
                      "the worker to report the folder's reload failed")
+            wait_for(lambda: api_dropped(stack) == 2, 30, "the API to drop the folder's reload")
             assert served_config(stack) == swapped
             assert_serving(stack, traffic)
         finally:
