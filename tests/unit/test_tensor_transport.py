@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from api.bytes_endpoint import BytesEndpoint, advertised_host
+from api.bytes_endpoint import BytesEndpoint, advertised_host, endpoint_from
 from api.input_arena import InputArena
 from batching.config import ModelConfig, TensorSpec
 from batching.envelope import Request, Tensor
+from batching.settings import Settings
 from batching.tensor_arena import ArenaReader, TensorGone
 from batching.tensor_transport import FetchClient, Ref, client_context, is_remote
 from tests.test_listeners import make_cert
@@ -224,3 +225,25 @@ def test_an_endpoint_that_cannot_be_reached_is_not_tried_again_at_once() -> None
     assert waited >= 0.25
     assert at_once < 0.1
     assert all(isinstance(g, TensorGone) and "timed out" in str(g) for g in [*got, *again])
+
+
+def test_the_settings_endpoint_binds_the_api_host_and_speaks_tls_when_the_api_does(
+        tmp_path: Path) -> None:
+    cert, key = make_cert(tmp_path, "api")
+    assert endpoint_from(Settings(tensor_transport="redis")) is None
+    plain = endpoint_from(Settings(host="127.0.0.1"))
+    tls = endpoint_from(Settings(host="127.0.0.1", tls_cert_file=cert, tls_key_file=key,
+                                 tensor_fetch_host="localhost"))
+    assert plain is not None and tls is not None
+    plain.start()
+    tls.start()
+    try:
+        assert plain.where.startswith("tcp://127.0.0.1:")
+        assert tls.where.startswith("tls://localhost:")
+        client = FetchClient(5.0, client_context(cert))
+        got = client.fetch([plain.put(b"p" * 50, _later()), tls.put(b"t" * 50, _later())])
+        client.close()
+        assert [bytes(g) for g in got if isinstance(g, memoryview)] == [b"p" * 50, b"t" * 50]
+    finally:
+        plain.close()
+        tls.close()
