@@ -13,6 +13,7 @@ from typing import Any
 
 from batching.config import BACKENDS, ConfigError, ModelConfig, TensorSpec
 from batching.config_yaml import read_config_yaml
+from batching.ensemble import EnsembleDraft, EnsemblePlan, ensemble_draft, plan_ensemble
 from batching.names import model_folder
 from batching.triton_repository import pbtxt_config
 
@@ -132,6 +133,8 @@ class RepositoryScan:
 
     models: dict[str, ModelConfig] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    ensembles: dict[str, EnsemblePlan] = field(default_factory=dict)
+    """Ensembles whose plan holds over the models loaded (no worker of their own)."""
 
 
 def is_model_folder(folder: Path) -> bool:
@@ -164,15 +167,29 @@ def scan_repository(root: Path, only: set[str] | None = None) -> RepositoryScan:
     scan = RepositoryScan()
     if not root.is_dir():
         log.warning("model repository %s does not exist", root)
+    drafts: dict[Path, EnsembleDraft] = {}
     for folder in model_folders(root):
         if only and folder.name not in only:
             continue
         try:
-            scan.models[folder.name] = load_model_config(folder)
+            draft = ensemble_draft(folder)
+            if draft is None:
+                scan.models[folder.name] = load_model_config(folder)
+            else:
+                drafts[folder] = draft
         except Exception as exc:  # one model's config never stops the others
-            scan.failed[folder.name] = failure_reason(folder, exc)
-            log.error("model %s is unavailable: %s", folder.name, scan.failed[folder.name])
+            _failed(scan, folder, exc)
+    for folder, draft in drafts.items():  # once every step model is known
+        try:
+            scan.ensembles[folder.name] = plan_ensemble(draft, scan.models)
+        except ConfigError as exc:
+            _failed(scan, folder, exc)
     return scan
+
+
+def _failed(scan: RepositoryScan, folder: Path, exc: Exception) -> None:
+    scan.failed[folder.name] = failure_reason(folder, exc)
+    log.error("model %s is unavailable: %s", folder.name, scan.failed[folder.name])
 
 
 def failure_reason(folder: Path, exc: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from batching.config import ModelConfig, TensorSpec
+from batching.ensemble import WHEN, EnsemblePlan
 
 _PLATFORM = {
     "onnx": ("onnxruntime_onnx", "onnxruntime"),
@@ -66,6 +67,28 @@ def triton_config(config: ModelConfig) -> dict[str, Any]:
                            for i, group in enumerate(config.instances)],
         "default_model_filename": config.artifact,
         "parameters": parameters,
+    }
+
+
+def ensemble_config(plan: EnsemblePlan) -> dict[str, Any]:
+    """An ensemble's ModelConfig as Triton shows it: its tensors, its steps (a step's
+    ``model_version`` -1 is the newest) and the steps' conditions as ``parameters``."""
+    config = plan.config
+    return {
+        "name": config.name,
+        "platform": "ensemble",
+        "backend": "",
+        "max_batch_size": config.max_batch_size,
+        "input": [{"name": t.name, "data_type": data_type(t.datatype), "format": "FORMAT_NONE",
+                   "dims": _dims(config, t)} for t in config.inputs],
+        "output": [{"name": t.name, "data_type": data_type(t.datatype),
+                    "dims": _dims(config, t)} for t in config.outputs],
+        "ensemble_scheduling": {"step": [
+            {"model_name": step.model, "model_version": int(step.version or -1),
+             "input_map": dict(step.inputs), "output_map": dict(step.outputs)}
+            for step in plan.steps]},
+        "parameters": {f"{WHEN}{step.model}": {"string_value": step.when.describe()}
+                       for step in plan.steps if step.when is not None},
     }
 
 

@@ -23,17 +23,18 @@ _PLATFORMS = {"onnxruntime_onnx": "onnx", "pytorch_libtorch": "torchscript",
               "pytorch_torch_export": "torch_export"}
 _REFUSED = {
     "sequence_batching": "sequence batching (stateful models) is not supported",
-    "ensemble_scheduling": "ensemble models are not supported",
+    "ensemble_scheduling": "ensemble_scheduling needs platform: \"ensemble\"",
     "batch_input": "batch inputs (ragged batching) are not supported",
     "batch_output": "batch outputs (ragged batching) are not supported",
 }
 _TIMEOUT_US = "default_timeout_microseconds"
 PBTXT = "config.pbtxt"
+ENSEMBLE = "ensemble"
 _MAPS = ("parameters", "priority_queue_policy")
 """ModelConfig's map fields (as Triton's JSON writes them: an object of key -> value)."""
 
 
-class _Fields:
+class Fields:
     """One message's fields, read once each; :meth:`done` refuses any left unread."""
 
     def __init__(self, model: str, message: Message, where: str, source: str) -> None:
@@ -100,16 +101,16 @@ class _Fields:
         """The kinds of value an enum's name may be."""
         return ("ident", "string") if self.loose else ("ident",)
 
-    def messages(self, name: str) -> list[_Fields]:
+    def messages(self, name: str) -> list[Fields]:
         found = []
         for value in self.values(name):
             if value.message is None:
                 raise self.error(value.line, f"{name} must be a message {{ ... }}")
-            found.append(_Fields(self.model, value.message, f"{self.where}{name}: ",
+            found.append(Fields(self.model, value.message, f"{self.where}{name}: ",
                                  self.source))
         return found
 
-    def sub(self, name: str) -> _Fields | None:
+    def sub(self, name: str) -> Fields | None:
         found = self.messages(name)
         if len(found) > 1:
             raise self.error(found[1].message.line, f"{name} is given more than once")
@@ -122,15 +123,26 @@ class _Fields:
                 raise self.error(values[0].line, reason)
 
 
-def pbtxt_config(model: str, text: bytes) -> dict[str, Any]:
-    """The ``config.yaml`` mapping that ``config.pbtxt`` (its bytes) says."""
+def pbtxt_fields(model: str, text: bytes) -> Fields:
+    """The top message of ``config.pbtxt`` (its bytes), parsed, its fields to read."""
     try:
         root = parse_pbtxt(text.decode())
     except UnicodeDecodeError:
         raise ConfigError(f"{model}: config.pbtxt is not UTF-8 text") from None
     except PbtxtError as exc:
         raise ConfigError(f"{model}: config.pbtxt {exc}") from None
-    return _convert(_Fields(model, root, "", PBTXT))
+    return Fields(model, root, "", PBTXT)
+
+
+def is_ensemble(top: Fields) -> bool:
+    """Whether the configuration says ``platform: "ensemble"`` (batching/ensemble.py)."""
+    platform = top.message.fields.get("platform", [])
+    return bool(platform) and platform[0].text == ENSEMBLE
+
+
+def pbtxt_config(model: str, text: bytes) -> dict[str, Any]:
+    """The ``config.yaml`` mapping that ``config.pbtxt`` (its bytes) says."""
+    return _convert(pbtxt_fields(model, text))
 
 
 def json_config(model: str, text: str) -> dict[str, Any]:
@@ -146,12 +158,16 @@ def json_config(model: str, text: str) -> dict[str, Any]:
         root = message_from_json(document, _MAPS)
     except RecursionError:
         raise ConfigError(f"{model}: the load's config nests too deeply") from None
-    return _convert(_Fields(model, root, "", "the load's config"))
+    return _convert(Fields(model, root, "", "the load's config"))
 
 
-def _convert(top: _Fields) -> dict[str, Any]:
+def _convert(top: Fields) -> dict[str, Any]:
     root = top.message
     model = top.model
+    if is_ensemble(top):
+        raise top.error(root.line, "an ensemble is no model of its own: the API serves it "
+                                   "from its config.pbtxt in the repository, over its steps' "
+                                   "models (a repository load cannot give one)")
     raw: dict[str, Any] = {}
     name = top.string("name")
     if name is not None and name != model:
@@ -162,7 +178,7 @@ def _convert(top: _Fields) -> dict[str, Any]:
     raw["max_batch_size"] = top.integer("max_batch_size") or 0
     batched = raw["max_batch_size"] > 0
     for key, field in (("inputs", "input"), ("outputs", "output")):
-        tensors = [_tensor(t, batched) for t in top.messages(field)]
+        tensors = [tensor_entry(t, batched) for t in top.messages(field)]
         if tensors:
             raw[key] = tensors
     _transaction_policy(top)
@@ -186,7 +202,7 @@ def _convert(top: _Fields) -> dict[str, Any]:
     return raw
 
 
-def _backend(top: _Fields) -> str | None:
+def _backend(top: Fields) -> str | None:
     platform, backend = top.string("platform"), top.string("backend")
     chosen = []
     for field_name, value, known in (("platform", platform, _PLATFORMS),
@@ -206,7 +222,7 @@ def _backend(top: _Fields) -> str | None:
     return chosen[0] if chosen else None
 
 
-def _tensor(fields: _Fields, batched: bool) -> dict[str, Any]:
+def tensor_entry(fields: Fields, batched: bool) -> dict[str, Any]:
     name = fields.string("name")
     if not name:
         raise fields.error(fields.message.line, "name is required")
@@ -238,7 +254,7 @@ def _tensor(fields: _Fields, batched: bool) -> dict[str, Any]:
     return tensor
 
 
-def _transaction_policy(top: _Fields) -> None:
+def _transaction_policy(top: Fields) -> None:
     policy = top.sub("model_transaction_policy")
     if policy is not None:
         if policy.flag("decoupled"):
@@ -247,7 +263,7 @@ def _transaction_policy(top: _Fields) -> None:
         policy.done()
 
 
-def _dynamic_batching(fields: _Fields, raw: dict[str, Any]) -> None:
+def _dynamic_batching(fields: Fields, raw: dict[str, Any]) -> None:
     batching: dict[str, Any] = {}
     queue: dict[str, Any] = {}
     delay = fields.integer("max_queue_delay_microseconds")
@@ -286,7 +302,7 @@ def _dynamic_batching(fields: _Fields, raw: dict[str, Any]) -> None:
     fields.done()
 
 
-def _queue_policy(fields: _Fields) -> dict[str, Any]:
+def _queue_policy(fields: Fields) -> dict[str, Any]:
     """``default_queue_policy`` as ``queue`` keys (0 means unset, as in Triton)."""
     fields.enum("timeout_action", ("REJECT",))
     fields.flag("allow_timeout_override")  # conveyor always lets a request shorten it
@@ -301,7 +317,7 @@ def _queue_policy(fields: _Fields) -> dict[str, Any]:
     return policy
 
 
-def _instance_group(fields: _Fields) -> list[dict[str, Any]]:
+def _instance_group(fields: Fields) -> list[dict[str, Any]]:
     count = fields.integer("count")
     count = 1 if count is None else count
     kind = fields.enum("kind", ("KIND_AUTO", "KIND_CPU", "KIND_GPU")) or "KIND_AUTO"
@@ -316,7 +332,7 @@ def _instance_group(fields: _Fields) -> list[dict[str, Any]]:
     return [{"device": "cpu", "count": count}]
 
 
-def _version_policy(fields: _Fields) -> dict[str, Any]:
+def _version_policy(fields: Fields) -> dict[str, Any]:
     latest, every, specific = fields.sub("latest"), fields.sub("all"), fields.sub("specific")
     given = [p for p in (latest, every, specific) if p is not None]
     if len(given) != 1:
@@ -343,7 +359,7 @@ _CONVEYOR: dict[str, tuple[str, Callable[[str], Any]]] = {
 }
 
 
-def _parameters(top: _Fields, raw: dict[str, Any]) -> None:
+def _parameters(top: Fields, raw: dict[str, Any]) -> None:
     """``parameters``: ``conveyor.*`` keys set conveyor's own knobs; the others go to the
     model as ``parameters`` (string values, as Triton passes them)."""
     parameters: dict[str, str] = {}

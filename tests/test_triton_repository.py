@@ -121,7 +121,8 @@ def test_max_batch_size_0_keeps_dims_as_they_are() -> None:
 
 @pytest.mark.parametrize("text,expected", [
     ("sequence_batching { }", "line 1: sequence batching (stateful models) is not supported"),
-    ("ensemble_scheduling { step [ ] }", "ensemble models are not supported"),
+    ("ensemble_scheduling { step [ ] }", 'ensemble_scheduling needs platform: "ensemble"'),
+    ('platform: "ensemble"', "an ensemble is no model of its own"),
     ("model_transaction_policy { decoupled: true }", "decoupled models"),
     ('platform: "tensorrt_plan"', "platform 'tensorrt_plan' is not supported"),
     ('backend: "tensorflow"', "backend 'tensorflow' is not supported"),
