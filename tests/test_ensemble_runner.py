@@ -6,7 +6,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -105,6 +105,12 @@ def ensembles() -> Ensembles:
     return Ensembles({"ens": plan_ensemble(read_ensemble("ens", ENSEMBLE), MODELS)})
 
 
+def serve(steps: Steps, name: str, parse: Parse, started: float,
+          protocol: str) -> Coroutine[Any, Any, tuple[InferRequest, Reply]]:
+    """The runner's infer with the stand-in (typed as the service it stands in for)."""
+    return ensembles().infer(cast(Any, steps), name, parse, started, protocol)
+
+
 def request(values: list[float], **parameters: Any) -> Parse:
     async def parse(config: ModelConfig, vet: Any) -> InferRequest:
         tensor = Tensor.from_array("IN", np.array([values], dtype=np.float32))
@@ -120,9 +126,8 @@ def outputs(reply: Reply) -> dict[str, list[float]]:
 async def test_steps_run_in_stages_and_carry_deadline_and_priority() -> None:
     steps = Steps()
     steps.gate.set()
-    parsed, reply = await ensembles().infer(steps, "ens", request([1, 2], priority=3,
-                                                                  timeout=5_000_000),
-                                            time.perf_counter(), "http")
+    parsed, reply = await serve(steps, "ens", request([1, 2], priority=3, timeout=5_000_000),
+                                time.perf_counter(), "http")
     assert outputs(reply) == {"D": [2, 4], "N": [-1, -2], "S": [3, 5]}
     assert steps.overlapped  # double and negate, one stage, ran at once
     assert steps.seen["double"]["priority"] == 3 and steps.seen["negate"]["priority"] == 2
@@ -135,8 +140,7 @@ async def test_steps_run_in_stages_and_carry_deadline_and_priority() -> None:
 @synchronous
 async def test_a_condition_that_does_not_hold_leaves_the_step_out() -> None:
     steps = Steps()
-    _, reply = await ensembles().infer(steps, "ens", request([-1, -2]), time.perf_counter(),
-                                       "http")
+    _, reply = await serve(steps, "ens", request([-1, -2]), time.perf_counter(), "http")
     assert outputs(reply) == {"D": [-2, -4], "N": [1, 2]}
     assert "slow" not in steps.seen
 
@@ -145,7 +149,7 @@ async def test_a_condition_that_does_not_hold_leaves_the_step_out() -> None:
 async def test_a_failed_step_is_named_and_its_error_kept() -> None:
     steps = Steps(fail="negate")
     with pytest.raises(Overloaded) as caught:
-        await ensembles().infer(steps, "ens", request([1, 1]), time.perf_counter(), "grpc")
+        await serve(steps, "ens", request([1, 1]), time.perf_counter(), "grpc")
     assert caught.value.message == ("ensemble 'ens' step 'negate' failed: the model's queue "
                                     "is full")
     assert caught.value.retry_after_s == 3 and "slow" not in steps.seen
@@ -156,8 +160,8 @@ async def test_a_failed_step_is_named_and_its_error_kept() -> None:
 @synchronous
 async def test_a_client_that_leaves_cancels_the_step_in_flight() -> None:
     steps = Steps()
-    task = asyncio.create_task(ensembles().infer(steps, "ens", request([1, 1]),
-                                                 time.perf_counter(), "http"))
+    task = asyncio.create_task(serve(steps, "ens", request([1, 1]), time.perf_counter(),
+                                     "http"))
 
     async def slow_started() -> None:
         while "slow" not in steps.running:
@@ -175,6 +179,5 @@ async def test_the_deadline_gone_before_a_step_answers_without_running_it() -> N
     steps = Steps()
     with pytest.raises(ConveyorError, match="ensemble 'ens' step 'double' failed: the "
                                             "request's deadline passed"):
-        await ensembles().infer(steps, "ens", request([1, 1], timeout=1),
-                                time.perf_counter() - 1, "http")
+        await serve(steps, "ens", request([1, 1], timeout=1), time.perf_counter() - 1, "http")
     assert steps.seen == {}
