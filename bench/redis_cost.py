@@ -194,7 +194,7 @@ def report(costs: list[Cost], args: argparse.Namespace, started: datetime, load:
         "it calls), the rest of the main thread's time is reading, parsing and writing; "
         "threaded I/O: the reads and writes the I/O threads took",
         "- one-core bound: 1 s / main-thread CPU per request, the rate at which Redis's main "
-        "thread, which runs every command, would be busy all the time", "",
+        "thread, which runs every command, would be busy all the time",
         "- inputs: how the input reached the inference process: `redis`, in the stream entry; "
         "`fetch`, from the API process's bytes endpoint (`CONVEYOR_TENSOR_TRANSPORT=fetch`, "
         "the path between hosts, here on one)", "",
