@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -50,8 +51,10 @@ class Ensembles:
     """The ensembles served (name -> checked plan) and their runner."""
 
     plans: dict[str, EnsemblePlan] = field(default_factory=dict)
-    _writes: set[asyncio.Task[None]] = field(default_factory=set)
-    """Statistics writes in flight (held so that none is collected unfinished)."""
+    _counts: dict[str, Counter[str]] = field(default_factory=dict)
+    """Statistics not yet written: ensemble -> stats hash field -> amount."""
+    _writer: asyncio.Task[None] | None = None
+    """The one task writing them, while there are some."""
 
     def ready(self, name: str, model_ready: Callable[[str], bool]) -> bool:
         """An ensemble is ready when every one of its step models is."""
@@ -93,12 +96,27 @@ class Ensembles:
 
     def _record(self, steps: Steps, name: str, started: float, ok: bool, answer: Reply,
                 rows: int) -> None:
-        """Add the request to the ensemble's stats hash, off the request's path."""
-        task = asyncio.get_running_loop().create_task(
-            _write_stats(steps, name, int((time.perf_counter() - started) * 1e9), ok, answer,
-                         rows))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        """Count the request as Triton counts an ensemble's (its requests and their time,
+        the steps' queue and compute times summed); written off the request's path, the
+        counts of requests that end during one write added up for the next."""
+        counts = self._counts.setdefault(name, Counter())
+        outcome = "success" if ok else "fail"
+        counts[f"{outcome}_count"] += 1
+        counts[f"{outcome}_ns"] += int((time.perf_counter() - started) * 1e9)
+        if ok:
+            counts.update({"inference_count": rows, "execution_count": 1, "queue_count": 1,
+                           "queue_ns": int(answer.queue_ms * 1e6), "compute_infer_count": 1,
+                           "compute_infer_ns": int(answer.exec_ms * 1e6)})
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write(steps))
+
+    async def _write(self, steps: Steps) -> None:
+        try:
+            while self._counts:
+                counts, self._counts = self._counts, {}
+                await _write_stats(steps, counts)
+        finally:
+            self._writer = None
 
 
 def _runs(step: Step, tensors: dict[str, Tensor]) -> bool:
@@ -157,24 +175,16 @@ async def _step(steps: Steps, name: str, step: Step, tensors: dict[str, Tensor],
             for t in reply.outputs if t.name in step.outputs}
 
 
-async def _write_stats(steps: Steps, name: str, took_ns: int, ok: bool, answer: Reply,
-                       rows: int) -> None:
-    """The ensemble's statistics, as Triton counts an ensemble's: its requests and their
-    time, and the steps' queue and compute times summed."""
-    key = steps.keys.stats(name)
-    outcome = "success" if ok else "fail"
+async def _write_stats(steps: Steps, counts: dict[str, Counter[str]]) -> None:
+    """Add ``counts`` to the ensembles' stats hashes, in one round trip."""
     try:
         pipe = steps.dispatcher.redis.pipeline(transaction=False)
-        pipe.hincrby(key, f"{outcome}_count", 1)
-        pipe.hincrby(key, f"{outcome}_ns", took_ns)
-        if ok:
-            pipe.hincrby(key, "inference_count", rows)
-            pipe.hincrby(key, "execution_count", 1)
-            pipe.hincrby(key, "queue_count", 1)
-            pipe.hincrby(key, "queue_ns", int(answer.queue_ms * 1e6))
-            pipe.hincrby(key, "compute_infer_count", 1)
-            pipe.hincrby(key, "compute_infer_ns", int(answer.exec_ms * 1e6))
-            pipe.hset(key, "last_inference", int(time.time() * 1000))
+        for name, fields in counts.items():
+            key = steps.keys.stats(name)
+            for field_name, amount in fields.items():
+                pipe.hincrby(key, field_name, amount)
+            if fields["execution_count"]:
+                pipe.hset(key, "last_inference", int(time.time() * 1000))
         await pipe.execute()
-    except REDIS_FAILED as exc:  # statistics only: the request was answered
-        log.warning("ensemble %s: statistics not written: %s", name, exc)
+    except REDIS_FAILED as exc:  # statistics only: the requests were answered
+        log.warning("ensemble statistics not written: %s", exc)
