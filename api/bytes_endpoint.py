@@ -11,6 +11,7 @@ binds ``CONVEYOR_HOST`` as the API's other listeners do, on the first free port 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import itertools
 import logging
@@ -63,7 +64,7 @@ class BytesEndpoint:
         self._host = host
         self._port = port
         self._advertise = advertise
-        self._tls = tls
+        self.tls = tls
         self._held: dict[int, _Held] = {}
         self._ids = itertools.count(1)
         self._server: _Server | None = None
@@ -81,7 +82,7 @@ class BytesEndpoint:
         host = self._advertise or self._host
         if ":" in host:
             host = f"[{host}]"
-        self.where = f"{'tls' if self._tls else 'tcp'}://{host}:{port}"
+        self.where = f"{'tls' if self.tls else 'tcp'}://{host}:{port}"
         threading.Thread(target=self._server.serve_forever, args=(POLL_S,),
                          name="conveyor-bytes-endpoint",
                          daemon=True).start()
@@ -89,14 +90,15 @@ class BytesEndpoint:
                  self.where)
 
     def _listen(self) -> _Server:
-        ports = [0] if self._port == 0 else range(self._port, self._port + PORTS_TRIED)
-        for port in ports:
+        port = self._port
+        while True:
             try:
                 return _Server(self, (self._host, port))
-            except OSError:
-                if port == ports[-1]:
+            except OSError as exc:
+                last = min(self._port + PORTS_TRIED - 1, 65535)
+                if exc.errno != errno.EADDRINUSE or port in (0, last):
                     raise
-        raise AssertionError("unreachable")
+                port += 1
 
     def put(self, data: bytes | memoryview, expiry_ms: int) -> Ref:
         """Hold ``data`` (not copied unless it may change) until :meth:`free`; its
@@ -179,8 +181,8 @@ class _Connection(socketserver.BaseRequestHandler):
         endpoint = self.server.endpoint
         sock: socket.socket = self.request
         try:
-            if endpoint._tls is not None:
-                sock = endpoint._tls.wrap_socket(sock, server_side=True)
+            if endpoint.tls is not None:
+                sock = endpoint.tls.wrap_socket(sock, server_side=True)
             while True:
                 items = _read_fetch(sock)
                 if items is None:
