@@ -233,3 +233,75 @@ def test_an_answer_releases_its_entries_only_once_its_replies_are_pushed(
         for key in (stream, rows_key, reply_key, keys.stats(model)):
             client.delete(key)
         client.close()
+
+
+REPLY_COMMANDS = {"rpush", "expire", "blmpop"}
+"""The reply lists' commands: each list lives on its API process's slot, not the model's."""
+NOT_DATA = {"info", "cluster", "ping", "hello", "client", "command", "auth", "select",
+            "asking", "config"}
+
+
+def partitioned_model(cluster: ClusterSet, partitions: int) -> str:
+    """A model name whose first three partitions land on the three nodes, one each."""
+    keys = Keys()
+    for name in CANDIDATES:
+        ports = {cluster.port_of_slot(key_slot(keys.rows_waiting(name, p)))
+                 for p in range(partitions)}
+        if len(ports) == 3:
+            return name
+    raise AssertionError("no candidate's partitions land on all three nodes")
+
+
+def model_commands(cluster: ClusterSet) -> list[int]:
+    """Each node's calls so far (INFO commandstats), its reply lists' and admin aside."""
+    counted = []
+    for server in cluster.servers:
+        with redis.Redis(port=server.port) as node:
+            stats = node.info("commandstats")
+        counted.append(sum(int(s["calls"]) for name, s in stats.items()
+                           if name.removeprefix("cmdstat_").split("|")[0] not in
+                           REPLY_COMMANDS | NOT_DATA))
+    return counted
+
+
+def test_one_model_of_three_partitions_spreads_its_commands_over_three_nodes(
+        cluster: ClusterSet, redis_server: RedisServer, logdir: Path, tmp_path: Path) -> None:
+    """``queue.partitions: 3``, the partitions' tags on three nodes: under a few seconds of
+    load each node carries its third of the model's commands, within 20%. Counted: every
+    call a node ran (a script's own calls too), but the reply lists' (on the API process's
+    slot) and the admin commands. Partition 0's node also holds the stats hash, which an
+    inference process of a partitioned model writes twice a second, not with every batch."""
+    model = partitioned_model(cluster, 3)
+    folder = tmp_path / "models" / model
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text(PICKY)
+    (folder / "config.yaml").write_text(PICKY_CONFIG + "queue: {partitions: 3}\n")
+    stack = Stack(cluster.url, tmp_path / "models", logdir,
+                  extra_env={"CONVEYOR_CELERY_BROKER_URL": redis_server.url})
+    try:
+        url = stack.add_api()
+        stack.add_worker()
+        stack.wait_ready()
+        before = model_commands(cluster)
+
+        async def load() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                gate = asyncio.Semaphore(24)
+
+                async def one(i: int) -> httpx.Response:
+                    async with gate:
+                        return await client.post(f"{url}/v2/models/{model}/infer", json=body(i))
+                return await asyncio.gather(*(one(i) for i in range(900)))
+        for i, response in enumerate(asyncio.run(load())):
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"][0] == i * 2
+        spent = [after - b for after, b in zip(model_commands(cluster), before, strict=True)]
+        mean = sum(spent) / 3
+        assert all(abs(n - mean) <= 0.2 * mean for n in spent), spent
+        keys = Keys(stack.prefix)
+        for part in range(3):  # in turn, from one API process (priority 2, the default)
+            stream = keys.queue(model, 2, part)
+            with redis.Redis(port=cluster.port_of_slot(key_slot(stream))) as node:
+                assert int(node.xinfo_stream(stream)["entries-added"]) == 300
+    finally:
+        stack.stop()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batching.envelope import ROWS_FIELD
+from batching.former import Entry
 from batching.keys import GROUP, Partition
 from batching.resp import Command
 
@@ -107,6 +108,20 @@ class IdleWait:
             return
         time.sleep(self._wait_s)
         self._wait_s = min(self._wait_s * 2, IDLE_MAX_S)
+
+
+def mark(entry: Entry) -> str:
+    """An entry's member in the withdrawn set, as batching/lua/withdraw.lua writes it."""
+    return f"{entry.stream} {entry.entry_id}"
+
+
+def marks_of(members: list[bytes]) -> dict[str, str]:
+    """The withdrawn sets' members as entry id -> stream."""
+    marks = {}
+    for member in members:
+        stream, _, entry_id = text(member).rpartition(" ")
+        marks[entry_id] = stream
+    return marks
 
 
 def _streams(head: list[str | int], names: list[str]) -> Command:

@@ -26,7 +26,8 @@ holds unrun, and :meth:`ModelStreams.withdraw` releases them like an answer, wit
 reply.
 A model with several partitions (``queue.partitions``) has streams, a rows counter and a
 withdrawn set per partition: a read takes every partition's (workers/stream_reads.py), and
-each entry is released, and its mark removed, in its own partition's keys.
+each entry is released, and its mark removed, in its own partition's keys. On a cluster
+the statistics of such a model go every ``SPREAD_FLUSH_S``, not with each answer.
 Reads and answers, once per batch, use the lean client of :mod:`batching.resp`, and an
 answer's replies are read with the next read's (on a cluster, its releases' replies);
 the rarer calls (claims, dead letters) use redis-py.
@@ -50,7 +51,7 @@ from batching.lua import script
 from batching.redis_links import BlockingLink
 from batching.resp import Command, RespError
 from workers.reconcile import RowsReconciler
-from workers.stream_reads import IdleWait, Reads, entry_rows, fields_of, text
+from workers.stream_reads import IdleWait, Reads, entry_rows, fields_of, mark, marks_of, text
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ REPLY_TTL_S = 300
 FLUSH_EVERY_S = 0.1
 """Counters not sent with an answer (reclaims, out-of-memory splits) reach Redis at most
 this late while a model is busy."""
+SPREAD_FLUSH_S = 0.5
+"""On a cluster, for a model of several partitions: counters go at most this often, not
+with every answer. The stats hash is one slot, partition 0's: a write per batch would load
+its node well past the others' (a batch's statistics hold some thirty fields)."""
 DLQ_MAXLEN = 10_000
 """The dead-letter stream keeps about this many of the latest failures."""
 RELEASE_LUA = script("release").text.encode()
@@ -97,6 +102,8 @@ class ModelStreams:
         self._counts: Counter[str] = Counter()
         self._latest: dict[str, int] = {}
         self._next_flush = 0.0
+        self._flush_s = SPREAD_FLUSH_S if link.splits and len(self.parts) > 1 else 0.0
+        """Counters go with an answer at most this often (0: with every one)."""
         self.consumer = consumer
         self.on_data_lost: Callable[[str], None] = _no_loss
         """Told when Redis shows it lost data (a consumer group gone)."""
@@ -218,23 +225,14 @@ class ModelStreams:
             self.on_missing_group(exc)
             return []
         got, members = self._reads.entries(replies)
-        if members is not None:
-            self._note_withdrawn(members)
+        if members is not None and (members or self.withdrawn):
+            self.withdrawn = marks_of(members)
         entries = []
         for stream, items in got:
             entries.extend(self._entries(stream, items, {}))
         if block_ms is not None and not self._reads.blocks:
             self._idle.found(bool(got))
         return entries
-
-    def _note_withdrawn(self, members: list[bytes]) -> None:
-        if not members and not self.withdrawn:
-            return
-        marks = {}
-        for member in members:
-            stream, _, entry_id = text(member).rpartition(" ")
-            marks[entry_id] = stream
-        self.withdrawn = marks
 
     def withdraw(self, entries: list[Entry]) -> None:
         """Release ``entries`` unrun, their clients gone: acknowledged, deleted, their rows
@@ -259,7 +257,7 @@ class ModelStreams:
         """The marks of ``entries`` off their partitions' withdrawn sets."""
         marks: dict[str, list[str]] = defaultdict(list)
         for entry in entries:
-            marks[self._part_of[entry.stream].withdrawn].append(_mark(entry))
+            marks[self._part_of[entry.stream].withdrawn].append(mark(entry))
         return [("ZREM", key, *members) for key, members in marks.items()]
 
     def _entries(self, stream: str, items: list[Any], deliveries: dict[str, int]) -> list[Entry]:
@@ -291,7 +289,8 @@ class ModelStreams:
         more, waited for here.
         """
         self._counts.update(counters or {})
-        commands = self._due_counts() if self.counts_pending else []
+        due = not self._flush_s or time.monotonic() >= self._next_flush
+        commands = self._due_counts() if self.counts_pending and due else []
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str | int]] = defaultdict(list)
         marked: list[Entry] = []
@@ -380,7 +379,7 @@ class ModelStreams:
             " ".join(f"{name} {value}" for name, value in self._latest.items()))]
         self._counts.clear()
         self._latest.clear()
-        self._next_flush = time.monotonic() + FLUSH_EVERY_S
+        self._next_flush = time.monotonic() + (self._flush_s or FLUSH_EVERY_S)
         return commands
 
     def _drop(self, stream: str, entry_id: str, rows: int) -> None:
@@ -388,11 +387,6 @@ class ModelStreams:
         and release its rows from the queue limit."""
         self._redis.eval(RELEASE_LUA.decode(), 2, self._part_of[stream].rows, stream, GROUP,
                          entry_id, rows)
-
-
-def _mark(entry: Entry) -> str:
-    """An entry's member in the withdrawn set, as batching/lua/withdraw.lua writes it."""
-    return f"{entry.stream} {entry.entry_id}"
 
 
 def _trial(stream: str, entry_id: str) -> str:

@@ -121,9 +121,8 @@ def test_a_cluster_reads_each_partition_apart_without_blocking() -> None:
 class Writes:
     """A link that records what is sent and answers every command with 1."""
 
-    splits = False
-
-    def __init__(self) -> None:
+    def __init__(self, splits: bool = False) -> None:
+        self.splits = splits
         self.sent: list[Command] = []
 
     def send(self, commands: Sequence[Command], on_replies: ReplyHandler | None = None) -> None:
@@ -135,12 +134,17 @@ class Writes:
         """Nothing is deferred."""
 
 
+def partitioned(link: Writes, count: int = 3) -> ModelStreams:
+    first, *more = KEYS.partitions("m", 1, count)
+    return ModelStreams(cast(redis.Redis, None), cast(Any, link), list(first.streams),
+                        KEYS.stats("m"), first.rows, "c1", suspects_key=KEYS.suspects("m"),
+                        withdrawn_key=first.withdrawn, more=tuple(more))
+
+
 def test_each_entry_is_released_and_unmarked_in_its_own_partition() -> None:
     first, *more = KEYS.partitions("m", 1, 3)
     link = Writes()
-    streams = ModelStreams(cast(redis.Redis, None), cast(Any, link), list(first.streams),
-                           KEYS.stats("m"), first.rows, "c1", suspects_key=KEYS.suspects("m"),
-                           withdrawn_key=first.withdrawn, more=tuple(more))
+    streams = partitioned(link)
     x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
     entries = [Entry(p.streams[0], f"1-{i}", Request(f"r{i}", "reply", 0, 0, 1, [x]), 0.0)
                for i, p in enumerate([first, *more])]
@@ -151,3 +155,19 @@ def test_each_entry_is_released_and_unmarked_in_its_own_partition() -> None:
     unmarked = {(c[1], c[2]) for c in link.sent if c[0] == "ZREM"}
     assert unmarked == {(p.withdrawn, f"{e.stream} {e.entry_id}")
                         for p, e in zip([first, *more], entries, strict=True)}
+
+
+@pytest.mark.parametrize("splits,count,stats_writes", [
+    (False, 3, 3), (True, 1, 3), (True, 3, 1)])
+def test_a_cluster_writes_a_partitioned_models_statistics_at_intervals(
+        splits: bool, count: int, stats_writes: int) -> None:
+    """One stats hash, partition 0's slot: on a cluster, with several partitions, three
+    answers in a row carry the counters once (the rest wait SPREAD_FLUSH_S)."""
+    link = Writes(splits)
+    streams = partitioned(link, count)
+    x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
+    for i in range(3):
+        entry = Entry(KEYS.queue("m", 1), f"1-{i}", Request(f"r{i}", "reply", 0, 0, 1, [x]), 0.0)
+        streams.answer([(entry, Reply(entry.request.id))], {"success_count": 1})
+    assert sum(c[0] == "EVAL" and c[3] == KEYS.stats("m") for c in link.sent) == stats_writes
+    assert streams.counts_pending == (stats_writes == 1)
