@@ -63,6 +63,9 @@ def read_raw_config(folder: Path) -> dict[str, Any]:
 def load_model_config(folder: Path, override: dict[str, Any] | None = None) -> ModelConfig:
     """The model of ``folder``: its configuration (``override``, a repository load's, in
     place of the folder's file), its served versions, and what its ONNX graph adds."""
+    draft = ensemble_draft(folder) if override is None else None
+    if draft is not None:
+        raise _not_a_model(folder, draft)
     raw = read_raw_config(folder) if override is None else override
     found = version_folders(folder)
     probe = next((folder / str(v) for v in reversed(found)
@@ -83,6 +86,25 @@ def load_model_config(folder: Path, override: dict[str, Any] | None = None) -> M
         config = _signature_from_artifact(config, artifact_folder(folder, config),
                                           "max_batch_size" in raw)
     return config
+
+
+def _not_a_model(folder: Path, draft: EnsembleDraft) -> ConfigError:
+    """Why the ensemble of ``folder`` is not loaded as a model: its plan's refusal over
+    the step models as their folders hold them, or that it is an ensemble."""
+    steps = {}
+    for name in {step.model for step in draft.steps}:
+        step = model_folder(folder.parent, name)
+        try:
+            if step is not None and is_model_folder(step) and ensemble_draft(step) is None:
+                steps[name] = load_model_config(step)
+        except Exception:  # a step that fails: the plan names it as not loaded
+            continue
+    try:
+        plan_ensemble(draft, steps)
+    except ConfigError as exc:
+        return exc
+    return ConfigError(f"{folder.name}: an ensemble is no model of its own: the API serves it "
+                       "over its step models, read from its config.pbtxt when it starts")
 
 
 def artifact_folder(folder: Path, config: ModelConfig, version: str = "") -> Path:

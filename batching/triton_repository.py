@@ -166,8 +166,8 @@ def _convert(top: Fields) -> dict[str, Any]:
     model = top.model
     if is_ensemble(top):
         raise top.error(root.line, "an ensemble is no model of its own: the API serves it "
-                                   "from its config.pbtxt in the repository, over its steps' "
-                                   "models (a repository load cannot give one)")
+                                   "over its step models, read from its config.pbtxt when it "
+                                   "starts (a repository load cannot give one)")
     raw: dict[str, Any] = {}
     name = top.string("name")
     if name is not None and name != model:

@@ -31,6 +31,11 @@ def stack(redis_server: RedisServer, logdir: Path,
     for folder in MODELS.iterdir():
         shutil.copytree(folder, root / folder.name)
     shutil.copytree(PROTOCOL_MODELS / "simple", root / "simple")
+    (root / "broken").mkdir()  # its first step's model is not in the repository
+    text = (MODELS / "add_sub_twice" / "config.pbtxt").read_text()
+    (root / "broken" / "config.pbtxt").write_text(
+        text.replace('"add_sub_twice"', '"broken"')
+        .replace('model_name: "simple"', 'model_name: "missing"', 1))
     yield from protocol_stack(redis_server, logdir, root)
 
 
@@ -144,3 +149,17 @@ def test_unknown_ensemble_version_is_not_found(stack: Stack) -> None:
         client.infer("add_sub_twice", add_sub_inputs(httpclient, np.ones((1, 16), np.int32),
                                                      np.ones((1, 16), np.int32), False),
                      model_version="2")
+
+
+def test_the_index_shows_ensembles_and_a_load_refuses_one(stack: Stack) -> None:
+    index = {e["name"]: e for e in httpx.post(f"{stack.url}/v2/repository/index").json()}
+    assert index["add_sub_twice"]["state"] == "READY"
+    assert index["pipeline"]["state"] == "READY"
+    assert index["broken"]["state"] == "UNAVAILABLE"
+    assert index["broken"]["reason"] == ("broken: ensemble step 'missing': model 'missing' is "
+                                         "not loaded (not in the repository, or unavailable; "
+                                         "an ensemble is no step)")
+    refused = httpx.post(f"{stack.url}/v2/repository/models/add_sub_twice/load")
+    assert refused.status_code == 400
+    assert "an ensemble is no model of its own" in refused.json()["error"]
+    assert httpx.get(f"{stack.url}/v2/models/add_sub_twice/ready").status_code == 200

@@ -10,7 +10,7 @@ import pytest
 from batching.config import ConfigError, ModelConfig, TensorSpec
 from batching.ensemble import EnsemblePlan, plan_ensemble, read_ensemble
 from batching.ensemble_when import read_condition
-from batching.repository_scan import scan_repository
+from batching.repository_scan import load_model_config, scan_repository
 from batching.triton_config import ensemble_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,3 +138,13 @@ def test_the_scan_serves_an_ensemble_without_a_worker_and_fails_one_whose_step_f
                                               "is not loaded")
     assert [[s.model for s in stage] for stage in scan.ensembles["add_sub_twice"].stages] == [
         ["simple"], ["simple"]]
+
+
+def test_an_ensemble_folder_is_no_model_and_says_why(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "tests" / "ensemble_models" / "add_sub_twice",
+                    tmp_path / "add_sub_twice")
+    with pytest.raises(ConfigError, match="step 'simple': model 'simple' is not loaded"):
+        load_model_config(tmp_path / "add_sub_twice")
+    shutil.copytree(ROOT / "tests" / "protocol_models" / "simple", tmp_path / "simple")
+    with pytest.raises(ConfigError, match="add_sub_twice: an ensemble is no model of its own"):
+        load_model_config(tmp_path / "add_sub_twice")
