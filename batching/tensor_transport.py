@@ -41,6 +41,8 @@ LENGTH = struct.Struct("<q")
 TOKEN_BYTES = 16
 MAX_ITEMS = 4096
 """Most references in one fetch; a larger request is a protocol error."""
+KEEP_LINKS = 64
+"""Connections a fetch client keeps, the least recently used closed beyond."""
 POOL_THREADS = 8
 """Threads a fetch client asks endpoints beyond the first on."""
 
@@ -155,28 +157,33 @@ class FetchClient:
 
     def _one(self, where: str, group: list[tuple[int, Parsed]],
              deadline: float) -> list[memoryview | TensorGone]:
-        """One endpoint's share of a fetch, within ``deadline``."""
+        """One endpoint's share of a fetch, within ``deadline``: asked again once on a new
+        connection when the kept one turns out closed (its API process restarted)."""
         down = self._down.get(where)
         if down is not None and down[0] > time.monotonic():
             return self._failed(where, group, down[1])
-        try:
-            link = self._link(where, deadline)
-        except (OSError, ValueError) as exc:
-            self._down[where] = (time.monotonic() + self._timeout_s, str(exc))
-            return self._failed(where, group, str(exc))
-        self._down.pop(where, None)
-        try:
-            link.settimeout(max(deadline - time.monotonic(), 0.001))
-            link.sendall(encode_request([(p.id, p.token) for _, p in group]))
-            return _read_reply(link, [p.length for _, p in group])
-        except (OSError, ValueError) as exc:
-            self._links.pop(where, None)
-            link.close()
-            return self._failed(where, group, str(exc))
+        while True:
+            kept = where in self._links
+            try:
+                link = self._link(where, deadline)
+            except (OSError, ValueError) as exc:
+                self._down[where] = (time.monotonic() + self._timeout_s, str(exc))
+                return self._failed(where, group, str(exc))
+            self._down.pop(where, None)
+            try:
+                link.settimeout(max(deadline - time.monotonic(), 0.001))
+                link.sendall(encode_request([(p.id, p.token) for _, p in group]))
+                return _read_reply(link, [p.length for _, p in group])
+            except (OSError, ValueError) as exc:
+                self._links.pop(where, None)
+                link.close()
+                if not (kept and isinstance(exc, ConnectionError)):
+                    return self._failed(where, group, str(exc))
 
     def _link(self, where: str, deadline: float) -> socket.socket:
-        link = self._links.get(where)
+        link = self._links.pop(where, None)
         if link is not None:
+            self._links[where] = link  # the newest used: the last to be let go
             return link
         scheme, _, address = where.partition("://")
         host, _, port = address.rpartition(":")
@@ -191,6 +198,8 @@ class FetchClient:
                 raw.close()
                 raise
         self._links[where] = raw
+        while len(self._links) > KEEP_LINKS:  # endpoints of API processes long gone
+            self._links.pop(next(iter(self._links))).close()
         return raw
 
     @staticmethod

@@ -17,6 +17,7 @@ import pytest
 
 from api.bytes_endpoint import BytesEndpoint, advertised_host, endpoint_from
 from api.input_arena import InputArena
+from batching import tensor_transport
 from batching.config import ModelConfig, TensorSpec
 from batching.envelope import Request, Tensor
 from batching.settings import Settings
@@ -247,3 +248,35 @@ def test_the_settings_endpoint_binds_the_api_host_and_speaks_tls_when_the_api_do
     finally:
         plain.close()
         tls.close()
+
+
+def test_a_restarted_endpoint_is_asked_again_on_a_new_connection(client: FetchClient) -> None:
+    first = BytesEndpoint("127.0.0.1")
+    first.start()
+    port = int(first.where.rsplit(":", 1)[1])
+    assert isinstance(client.fetch([first.put(b"a" * 10, _later())])[0], memoryview)
+    first.close()  # the kept connection is closed under the client
+    again = BytesEndpoint("127.0.0.1", port)
+    again.start()
+    try:
+        assert again.where == first.where
+        got = client.fetch([again.put(b"b" * 10, _later())])
+        assert isinstance(got[0], memoryview) and bytes(got[0]) == b"b" * 10
+    finally:
+        again.close()
+
+
+def test_connections_beyond_the_kept_number_are_closed_least_recent_first(
+        monkeypatch: pytest.MonkeyPatch, client: FetchClient) -> None:
+    monkeypatch.setattr(tensor_transport, "KEEP_LINKS", 2)
+    endpoints = [BytesEndpoint("127.0.0.1") for _ in range(3)]
+    for endpoint in endpoints:
+        endpoint.start()
+    try:
+        refs = [e.put(b"c", _later()) for e in endpoints]
+        for ref in (refs[0], refs[1], refs[0], refs[2]):  # the second is the least recent
+            assert isinstance(client.fetch([ref])[0], memoryview)
+        assert list(client._links) == [endpoints[0].where, endpoints[2].where]
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
