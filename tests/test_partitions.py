@@ -1,20 +1,29 @@
 """``queue.partitions: 3`` through a real API, Redis and worker: every request answered,
 the requests spread over the three partitions' streams, the depths summed, and a request
-of a higher priority still served ahead of the lower-priority backlog in every partition."""
+of a higher priority still served ahead of the lower-priority backlog in every partition.
+And an unload answers what waits in every partition."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import httpx
+import numpy as np
+import redis
 
-from batching.keys import Keys
+from batching.envelope import Reply, Request, Tensor
+from batching.keys import GROUP, Keys
 from tests.conftest import TEST_MODELS, Stack
-from tests.procs import wait_for
+from tests.procs import RedisServer, wait_for
+from workers.unload import turn_away
 
 MODEL = "hot"
 CONFIG = """\
@@ -101,3 +110,29 @@ def test_a_higher_priority_request_goes_ahead_of_every_partitions_backlog(
     ran = executed()
     after = len(ran) - 1 - ran.index(1000)
     assert after >= 12, ran
+
+
+def test_an_unload_answers_what_waits_in_every_partition(redis_server: RedisServer) -> None:
+    """turn_away, told the model's partitions, answers the unread requests of each with a
+    404 and leaves every partition's counter at 0."""
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    parts = keys.partitions(MODEL, 2, 3)
+    x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
+    for p, part in enumerate(parts):
+        request = Request(f"r{p}", keys.reply("api"), int(time.time() * 1000) + 60_000, 0, 1,
+                          [x])
+        # Added a second before the unload (its id says when): answered, not left for
+        # a serving process.
+        client.xadd(part.streams[1], {"d": request.encode(), "r": 1},
+                    id=f"{int(time.time() * 1000) - 1000}-{p}")
+        client.incrby(part.rows, 1)
+    client.hset(keys.repository(), MODEL, json.dumps({"state": "unloaded", "ts": 1.0}))
+    for stream in (s for part in parts for s in part.streams):
+        client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    assert turn_away(client, redis_server.url, keys, MODEL, 2, 3) == 3
+    replies = [Reply.decode(b) for b in cast(list[bytes], client.lrange(keys.reply("api"), 0, -1))]
+    assert sorted(r.id for r in replies) == ["r0", "r1", "r2"]
+    assert all("was unloaded" in r.error for r in replies)
+    assert [int(client.get(part.rows) or 0) for part in parts] == [0, 0, 0]
+    client.close()
