@@ -26,9 +26,9 @@ allow (``auto``), the endpoint always (``fetch``), or Redis always (``redis``)."
 class InputArena:
     """Puts a request's inputs of ``min_bytes`` or more in this API process's arena (made
     on first use, ``size`` bytes) while ``shares(model, token)`` says every inference
-    process of the model reads this host's token, or else in ``endpoint``, whose
-    references expire with the model's longest timeout (``models``); anything else goes
-    through Redis."""
+    process of the model reads this host's token, or else (or when the arena is full) in
+    ``endpoint``, whose references expire with the model's longest timeout (``models``);
+    anything else goes through Redis."""
 
     def __init__(self, size: int, min_bytes: int, shares: Callable[[str, str], bool],
                  directory: Path = SHM_DIR, *, endpoint: BytesEndpoint | None = None,
@@ -53,15 +53,13 @@ class InputArena:
         None."""
         if self._off or not any(len(t.raw) >= self._min_bytes for t in inputs):
             return None
-        put = self._store(model)
-        if put is None:
-            return None
+        stores = self._stores(model)
         refs: list[Ref] = []
         for tensor in inputs:
             if len(tensor.raw) >= self._min_bytes:
-                ref = put(tensor.raw)
-                if ref is None:  # full: this one and the rest through Redis
-                    break
+                ref = next((r for put in stores if (r := put(tensor.raw)) is not None), None)
+                if ref is None:  # the arena full, no endpoint: through Redis
+                    continue
                 tensor.ref, tensor.raw = ref, b""
                 refs.append(ref)
         return refs or None
@@ -79,22 +77,25 @@ class InputArena:
             self._arena.close()
             self._arena = None
 
-    def _store(self, model: str) -> Callable[[bytes | memoryview], Ref | None] | None:
-        """Where the large inputs of a request to ``model`` go now; None: Redis."""
+    def _stores(self, model: str) -> list[Callable[[bytes | memoryview], Ref | None]]:
+        """Where the large inputs of a request to ``model`` may go now, in turn: the arena
+        (where the model's processes share this host's memory), then the endpoint (when
+        they do not, or the arena is full); none: Redis."""
         if not self._looked:
             self._open()
         token = self._token
         sharing = token is not None and self._shares(model, token)
-        if self._arena is not None and sharing:
-            return self._arena.put
+        if sharing and self._arena is None and not self._fetch_always:
+            return []  # the arena turned off on a host the model shares
+        stores: list[Callable[[bytes | memoryview], Ref | None]] = []
+        if sharing and self._arena is not None:
+            stores.append(self._arena.put)
         endpoint = self._endpoint
-        if endpoint is None or not endpoint.started or (sharing and not self._fetch_always):
-            return None
-        config = self._models.get(model)
-        if config is None:  # unloaded meanwhile
-            return None
-        expiry = int(time.time() * 1000) + config.queue.default_timeout_ms  # its latest deadline
-        return lambda data: endpoint.put(data, expiry)
+        config = self._models.get(model)  # None: unloaded meanwhile
+        if endpoint is not None and endpoint.started and config is not None:
+            expiry = int(time.time() * 1000) + config.queue.default_timeout_ms  # its latest
+            stores.append(lambda data: endpoint.put(data, expiry))
+        return stores
 
     def _open(self) -> None:
         self._looked = True

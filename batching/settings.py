@@ -141,7 +141,8 @@ class Settings(BaseSettings):
     tensor_transport: Literal["auto", "fetch", "redis"] = "auto"
     """How an input of ``tensor_arena_min_bytes`` or more reaches the inference processes:
     ``auto``, through the tensor arena where they all share the API process's memory,
-    else fetched by them from the API process's bytes endpoint (docs/data-path.md);
+    else (or when the arena is full) fetched by them from the API process's bytes
+    endpoint (docs/data-path.md);
     ``fetch``, from the endpoint always (the path between hosts, on one host); ``redis``,
     in the stream entry always."""
     tensor_fetch_port: int = Field(default=0, ge=0, le=65535)

@@ -20,7 +20,8 @@ sequence]``.
   :meth:`Arena.free` wipes; a reader that finds another number answers the request
   with an error (its API process had given it up) instead of running stale bytes.
 - **A ring.** Space is taken in order and given back in order: a tensor freed early
-  waits for the older ones. When the arena is full, tensors go through Redis as before.
+  waits for the older ones. What a full arena cannot take is fetched from the API process
+  instead (batching/tensor_transport.py).
 - **A dead API process** leaves its arena behind; each arena file is ``flock``-ed by its
   owner for life, and the next arena created on the host removes those nobody holds.
 """

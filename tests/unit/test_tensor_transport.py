@@ -280,3 +280,13 @@ def test_connections_beyond_the_kept_number_are_closed_least_recent_first(
     finally:
         for endpoint in endpoints:
             endpoint.close()
+
+
+def test_inputs_the_full_arena_cannot_take_go_to_the_endpoint(
+        tmp_path: Path, endpoint: BytesEndpoint) -> None:
+    placer = InputArena(8 * 1024, 1000, lambda model, token: True, tmp_path,
+                        endpoint=endpoint, models={"near": _config()})
+    refs = placer.place("near", _inputs(5000, 5000))
+    assert refs is not None and [is_remote(r) for r in refs] == [False, True]
+    placer.free(refs)
+    placer.close()
