@@ -136,3 +136,4 @@ def test_an_unload_answers_what_waits_in_every_partition(redis_server: RedisServ
     assert all("was unloaded" in r.error for r in replies)
     assert [int(client.get(part.rows) or 0) for part in parts] == [0, 0, 0]
     client.close()
+

@@ -11,6 +11,7 @@ releases, releases its entries only once the replies are pushed, on either clien
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import redis
 
+from api.dispatch import Admission, Dispatcher
 from batching.envelope import Reply, Request, Tensor
 from batching.keys import GROUP, Keys
 from batching.redis_links import PipelineLink, blocking_link, link_opener
@@ -305,3 +307,42 @@ def test_one_model_of_three_partitions_spreads_its_commands_over_three_nodes(
                 assert int(node.xinfo_stream(stream)["entries-added"]) == 300
     finally:
         stack.stop()
+
+
+def test_a_request_withdrawn_from_another_partition_is_counted_on_the_model(
+        cluster: ClusterSet) -> None:
+    """A request of partition 1 (another node than the model's stats hash) whose client
+    leaves once it is queued: deleted, its rows released on partition 1's counter, and
+    counted in the model's stats hash by a command of its own (one script over both
+    slots would be refused: ``CROSSSLOT``)."""
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    model = partitioned_model(cluster, 3)
+    part = keys.partition(model, 1, 1)
+
+    async def main() -> None:
+        dispatcher = Dispatcher(cluster.url, keys)
+        client = async_redis(cluster.url)
+        await dispatcher.start()
+        try:
+            deadline = time.monotonic() + 10
+            while dispatcher._writer is None:  # linked to Redis
+                assert time.monotonic() < deadline, "never linked"
+                await asyncio.sleep(0.01)
+            now = int(time.time() * 1000)
+            x = Tensor.from_array("x", np.zeros((2, 4), np.float32))
+            sent = Request(dispatcher.new_id(), dispatcher.reply_key, now + 5000, now, 1, [x])
+            admission = Admission(part.streams[0], part.rows, 2, 100, model, 1)
+            waiting = asyncio.ensure_future(dispatcher.submit(admission, sent, 5))
+            while not await client.xlen(part.streams[0]):
+                assert time.monotonic() < deadline, "never admitted"
+                await asyncio.sleep(0.01)
+            waiting.cancel()
+            while await client.hget(keys.stats(model), "withdrawn_count") != b"1":
+                assert time.monotonic() < deadline, "never counted"
+                await asyncio.sleep(0.01)
+            assert await client.xlen(part.streams[0]) == 0
+            assert await client.get(part.rows) == b"0"
+        finally:
+            await dispatcher.close()
+            await client.aclose()
+    asyncio.run(main())
