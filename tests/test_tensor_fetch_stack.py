@@ -3,7 +3,8 @@ path between hosts, forced on one (``CONVEYOR_TENSOR_TRANSPORT=fetch``), against
 redis-server, API processes and a Celery worker: every answer is its own input's, Redis
 reads a small part of the bytes sent, the endpoint refuses a forged token, and the requests
 of an API process killed before its inputs were fetched are answered with an error, never
-run on other bytes, while another API process's requests run."""
+run on other bytes, while another API process's requests run; the entries of a worker
+killed with their inputs in hand are fetched again by the next."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import redis
 
 from batching.envelope import FIELD, Reply, Request
 from batching.errors import Unavailable
+from batching.keys import GROUP, Keys
 from batching.tensor_transport import FetchClient, is_remote
 from tests.conftest import MakeStack, Stack
 from tests.procs import wait_for
-from tests.test_tensor_arena_stack import ROW, _repository
+from tests.test_tensor_arena_stack import CONFIG, MODEL, ROW, _repository
 
 pytestmark = pytest.mark.integration
 
@@ -127,3 +129,38 @@ def test_a_dead_api_process_s_requests_are_answered_with_an_error_never_run(
     for reply in errors:
         assert reply.error_code == Unavailable.code, reply.error
         assert "could not be fetched" in reply.error
+
+
+def _slow_repository(root: Path) -> Path:
+    """The summer model, one second a batch: time to kill its worker with a batch in hand."""
+    folder = root / "summer"
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text(MODEL.replace(
+        "    def predict(self, inputs):\n",
+        "    def predict(self, inputs):\n        __import__('time').sleep(1.0)\n"))
+    (folder / "config.yaml").write_text(CONFIG)
+    return root
+
+
+def _pending(r: redis.Redis, stack: Stack) -> int:
+    return sum(int(cast(dict[str, int], r.xpending(key, GROUP))["pending"])
+               for key in r.scan_iter(match=f"{stack.prefix}:*:q:*", _type="stream"))
+
+
+def test_a_killed_worker_s_entries_are_fetched_again_by_the_next(
+        make_stack: MakeStack, tmp_path: Path) -> None:
+    stack = make_stack(_slow_repository(tmp_path / "repo"), CONVEYOR_HEARTBEAT_STALE_S="2",
+                       **FETCH)
+    url = stack.add_api()
+    first = stack.add_worker()
+    stack.wait_ready()
+    r = stack.redis()
+    images = _images(3, seed=7)
+    with ThreadPoolExecutor(len(images)) as pool:
+        answers = _in_flight(pool, url, images)
+        wait_for(lambda: _pending(r, stack) > 0, 30, "the first worker to hold a batch")
+        first.kill_group()  # SIGKILL: the inputs it fetched die with it
+        stack.add_worker()
+        assert [a.result(timeout=60) for a in answers] == [int(image.sum()) for image in images]
+    stats = cast(dict[bytes, bytes], r.hgetall(Keys(stack.prefix).stats("summer")))
+    assert int(stats.get(b"reclaimed_count", 0)) >= 1
