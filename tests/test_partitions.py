@@ -1,7 +1,7 @@
 """``queue.partitions: 3`` through a real API, Redis and worker: every request answered,
 the requests spread over the three partitions' streams, the depths summed, and a request
 of a higher priority still served ahead of the lower-priority backlog in every partition.
-And an unload answers what waits in every partition."""
+An unload, a reclaim and the counters' reconciliation reach every partition."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ import redis
 
 from batching.envelope import Reply, Request, Tensor
 from batching.keys import GROUP, Keys
+from batching.redis_links import BlockingLink, blocking_link
 from tests.conftest import TEST_MODELS, Stack
 from tests.procs import RedisServer, wait_for
+from workers.recovery import Reclaimer
+from workers.streams import ModelStreams
 from workers.unload import turn_away
 
 MODEL = "hot"
@@ -137,3 +140,49 @@ def test_an_unload_answers_what_waits_in_every_partition(redis_server: RedisServ
     assert [int(client.get(part.rows) or 0) for part in parts] == [0, 0, 0]
     client.close()
 
+
+
+def partitioned_streams(url: str, keys: Keys, consumer: str,
+                        opened: list[redis.Redis | BlockingLink]) -> ModelStreams:
+    """An inference process's Redis side for MODEL with 3 partitions of 2 levels (its
+    connections added to ``opened``)."""
+    client, link = redis.Redis.from_url(url), blocking_link(url, 5.0)
+    opened += [client, link]
+    first, *more = keys.partitions(MODEL, 2, 3)
+    streams = ModelStreams(client, link, list(first.streams), keys.stats(MODEL), first.rows,
+                           consumer, suspects_key=keys.suspects(MODEL),
+                           withdrawn_key=first.withdrawn, more=tuple(more))
+    streams.ensure_groups()
+    return streams
+
+
+def test_a_dead_consumers_entries_are_claimed_and_counters_reconciled_per_partition(
+        redis_server: RedisServer) -> None:
+    """A consumer that read an entry of each partition and died: another claims all
+    three. Each partition's counter, set wrong by hand, is recomputed from its own
+    streams."""
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    opened: list[redis.Redis | BlockingLink] = [client]
+    try:
+        parts = keys.partitions(MODEL, 2, 3)
+        x = Tensor.from_array("x", np.zeros((2, 4), np.float32))
+        dead = partitioned_streams(redis_server.url, keys, "dead", opened)
+        for p, part in enumerate(parts):
+            request = Request(f"r{p}", keys.reply("api"), 0, 0, 2, [x])
+            client.xadd(part.streams[1], {"d": request.encode(), "r": 2})
+            client.set(part.rows, 2)
+        read = sorted(e.stream for e in dead.read(10, None))
+        assert read == sorted(p.streams[1] for p in parts)
+        alive = partitioned_streams(redis_server.url, keys, "alive", opened)
+        claimed = Reclaimer(client, keys, MODEL, alive, stale_s=5.0).poll(time.time(), 10)
+        assert sorted(e.request.id for e in claimed) == ["r0", "r1", "r2"]
+
+        for p, part in enumerate(parts):
+            client.set(part.rows, 10 * p + 7)
+        reconciler = alive.reconciler(max_entry_rows=2)
+        assert reconciler.run(time.time()) == (7 + 17 + 27, 6)
+        assert [int(client.get(part.rows) or 0) for part in parts] == [2, 2, 2]
+    finally:
+        for opening in opened:
+            opening.close()
