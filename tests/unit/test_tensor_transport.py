@@ -290,3 +290,8 @@ def test_inputs_the_full_arena_cannot_take_go_to_the_endpoint(
     assert refs is not None and [is_remote(r) for r in refs] == [False, True]
     placer.free(refs)
     placer.close()
+
+
+def test_every_tensor_gets_a_token_of_its_own(endpoint: BytesEndpoint) -> None:
+    tokens = [endpoint.put(b"t", _later())[4] for _ in range(600)]  # past two draws of entropy
+    assert len(set(tokens)) == len(tokens) and {len(t) for t in tokens} == {16}
