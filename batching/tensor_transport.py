@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from batching.tensor_arena import TensorGone
 
 MAGIC = b"CVF1"
@@ -211,7 +213,7 @@ class FetchClient:
 
 def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | TensorGone]:
     """One fetch's reply: each tensor's bytes (views of one buffer), or why not."""
-    head = _recv_exactly(link, len(MAGIC) + LENGTH.size * len(lengths))
+    head = _recv_into(link, memoryview(bytearray(len(MAGIC) + LENGTH.size * len(lengths))))
     if head[:len(MAGIC)] != MAGIC:
         raise ValueError("not a bytes endpoint's reply")
     sizes = [LENGTH.unpack_from(head, len(MAGIC) + LENGTH.size * i)[0]
@@ -219,7 +221,8 @@ def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | Te
     for size, expected in zip(sizes, lengths, strict=True):
         if size >= 0 and size != expected:
             raise ValueError("the endpoint sent a tensor of another length")
-    body = memoryview(_recv_exactly(link, sum(s for s in sizes if s > 0)))
+    # Not zeroed first: every byte is received into it.
+    body = _recv_into(link, np.empty(sum(s for s in sizes if s > 0), np.uint8).data)
     got: list[memoryview | TensorGone] = []
     at = 0
     for size in sizes:
@@ -231,17 +234,16 @@ def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | Te
     return got
 
 
-def _recv_exactly(link: socket.socket, size: int) -> bytearray:
-    data = bytearray(size)
-    view = memoryview(data)
-    got = 0
+def _recv_into(link: socket.socket, view: memoryview) -> memoryview:
+    """``view`` filled from ``link``."""
+    got, size = 0, len(view)
     flags = 0 if isinstance(link, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < size:
         n = link.recv_into(view[got:], size - got, flags)
         if n == 0:
             raise ConnectionError("the endpoint closed the connection")
         got += n
-    return data
+    return view
 
 
 def _reason(code: int) -> str:
