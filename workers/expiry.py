@@ -44,7 +44,7 @@ class Expiry:
         self._policy = policy
         self._row_cap = row_cap
         self._streams = streams
-        self._lifo = config.batching.overload == "lifo"
+        self._lifo = former.lifo
         self._backlog_since: float | None = None
         """Since when every read took all the rows there was room for (None: the last one
         did not): more is waiting. Past capacity once it has lasted ``_sustained_s``."""

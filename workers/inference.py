@@ -87,11 +87,12 @@ class InferenceLoop:
         self.shared = shared
         self.dlq = keys.dead_letter(config.name)
         self.policy = make_policy(config)
+        adaptive = config.batching.adaptive  # a fixed window keeps Triton's order
         self.former = BatchFormer(self.policy, config.batch_rows, Layout.of(config),
                                   config.max_batch_cost, config.queue.max_priority_wait_ms,
                                   target_s=config.batching.latency_target_ms / 1000.0
-                                  if config.batching.adaptive else None,
-                                  lifo=config.batching.overload == "lifo")
+                                  if adaptive else None,
+                                  lifo=adaptive and config.batching.overload == "lifo")
         self.caps = MemoryCaps(config, self.former, self.policy, shared, streams)
         self.row_cap = self.caps.row_cap
         """:attr:`MemoryCaps.row_cap`, the one owner of the batch size bound."""

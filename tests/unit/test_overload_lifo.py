@@ -139,3 +139,18 @@ def test_past_capacity_ends_when_everything_waiting_was_refused() -> None:
     time.sleep(0.12)  # nothing new comes: what is left cannot make the target any more
     loop.step()
     assert len(loop.former) == 0 and not loop.expiry.overloaded
+
+
+def test_a_fixed_window_keeps_the_order_of_deadlines_past_capacity() -> None:
+    loop, streams, model = make_loop(adaptive=False, target_ms=100.0, overload="lifo")
+    old = [request(60.0) for _ in range(9)]
+    for each in old:
+        streams.put(each)
+    loop.step()
+    time.sleep(0.12)
+    for _ in range(7):
+        streams.put(request(60.0))
+    loop.step()
+    got = {r.id: r for r in streams.replies(REPLY)}
+    assert got[old[-1].id].ok and model.ran == [8, 8]  # Triton's rule: the oldest first
+    assert loop.former.target_s is None and loop.expiry.room(8) == 8
