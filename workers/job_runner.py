@@ -1,14 +1,13 @@
 """Running one async job: feed its chunks through the model's streams, collect them in order.
 
 Chunks are requests like any other: Request envelopes admitted into the model's stream of
-the job's priority by the same check of rows waiting against ``max_queue_rows`` (a full
-queue makes the job back off, never the interactive traffic wait; a model with several
-partitions takes a job's chunks into partition 0, against that partition's share of
-``max_queue_rows``, which the API wrote in the job's record), answered by whichever
-inference process reads them, onto the job's own reply list. Only a few chunks wait at a
-time (``job_max_in_flight``; by default one more than the model's ready instances, so
-each has one running and the next one queued), so a job uses idle capacity without
-crowding the queue: an urgent request waits behind at most those few.
+the job's priority (partition 0's, against its share) by the same check of rows waiting
+against ``max_queue_rows`` (a full queue makes the job back off, never the interactive
+traffic wait), answered by whichever inference process reads them, onto the job's own
+reply list. Only a few chunks wait at a time (``job_max_in_flight``; by default one more
+than the model's ready instances, so each has one running and the next one queued), so a
+job uses idle capacity without crowding the queue: an urgent request waits behind at
+most those few.
 
 Each finished chunk is stored at once, so a job whose worker dies is resumed by another
 from what is done (see :mod:`workers.job_tasks`). A chunk answered with a deadline or
