@@ -300,6 +300,9 @@ def test_one_model_of_three_partitions_spreads_its_commands_over_three_nodes(
         spent = [after - b for after, b in zip(model_commands(cluster), before, strict=True)]
         mean = sum(spent) / 3
         assert all(abs(n - mean) <= 0.2 * mean for n in spent), spent
+        depths = httpx.get(f"{url}/v2/conveyor/queues", timeout=10).json()["models"]
+        assert len(depths[0]["streams"]) == 9  # each partition's streams, on its node
+        assert f'model="{model}"' in httpx.get(f"{url}/metrics", timeout=10).text
         keys = Keys(stack.prefix)
         for part in range(3):  # in turn, from one API process (priority 2, the default)
             stream = keys.queue(model, 2, part)
