@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 PREFIX = "cvmh"
 SUBNET = "10.231.47"
+"""The switch's /24; the test sends traffic only to these addresses and to loopback."""
 SHM_SIZE = "256m"
 """The ``/dev/shm`` of a host that has its own (an API process's tensor arena: 64 MiB)."""
-"""The switch's /24; the test sends traffic only to these addresses and to loopback."""
 LEFTOVER = re.compile(rf"^{PREFIX}(?P<pid>\d+)-\S+")
 
 
