@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -36,7 +39,7 @@ def stack(redis_server: RedisServer, logdir: Path,
     (root / "broken" / "config.pbtxt").write_text(
         text.replace('"add_sub_twice"', '"broken"')
         .replace('model_name: "simple"', 'model_name: "missing"', 1))
-    yield from protocol_stack(redis_server, logdir, root)
+    yield from protocol_stack(redis_server, logdir, root, CONVEYOR_HEARTBEAT_STALE_S="2")
 
 
 def add_sub_inputs(module: Any, a: np.ndarray, b: np.ndarray, binary: bool) -> list[Any]:
@@ -163,3 +166,21 @@ def test_the_index_shows_ensembles_and_a_load_refuses_one(stack: Stack) -> None:
     assert refused.status_code == 400
     assert "an ensemble is no model of its own" in refused.json()["error"]
     assert httpx.get(f"{stack.url}/v2/models/add_sub_twice/ready").status_code == 200
+
+
+def test_a_step_whose_inference_process_is_killed_is_answered(stack: Stack) -> None:
+    """Run last: it kills classify's inference process under load; every pipeline is
+    still answered, its classify step reclaimed as any request is."""
+    beats = cast(dict[bytes, bytes],
+                 stack.redis().hgetall(f"{stack.prefix}:{{classify}}:workers"))
+    pids = [json.loads(v)["pid"] for k, v in beats.items()
+            if not k.endswith(b":slot") and json.loads(v).get("state") == "ready"]
+    assert pids
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(pipeline, stack.url, image(True, seed)) for seed in range(200)]
+        wait_for(lambda: sum(f.done() for f in futures) >= 30, 60, "pipelines under way")
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        answers = [f.result() for f in futures]
+    failed = [a.text for a in answers if a.status_code != 200]
+    assert not failed, failed[:3]
