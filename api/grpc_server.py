@@ -36,7 +36,7 @@ from api.stats import statistics
 from batching.config import ModelConfig
 from batching.errors import ConveyorError, Unsupported
 from batching.settings import Settings
-from batching.triton_config import triton_config
+from batching.triton_config import ensemble_config, triton_config
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.service.model(request.name, request.version)
         except ConveyorError:
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=self.service.watch.model_ready(request.name))
+        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name))
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**server_metadata(self.server_name))
@@ -156,13 +156,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_mapped
     async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
         config = self.service.model(request.name, request.version)
-        return from_json({"config": triton_config(config)}, pb.ModelConfigResponse())
+        plan = self.service.ensembles.plans.get(request.name)
+        doc = triton_config(config) if plan is None else ensemble_config(plan)
+        doc.pop("ensemble_scheduling", None)  # not in this proto's ModelConfig (docs/protocol.md)
+        return from_json({"config": doc}, pb.ModelConfigResponse())
 
     @_mapped
     async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
         if request.name:
             self.service.model(request.name, request.version)
-        names = [request.name] if request.name else sorted(self.service.models)
+        names = [request.name] if request.name else sorted([*self.service.models,
+                                                            *self.service.ensembles.plans])
         stats = await statistics(self.service.dispatcher.redis, self.service.keys, names)
         return from_json(stats, pb.ModelStatisticsResponse())
 

@@ -25,6 +25,7 @@ from api.body import BodyLimits
 from api.bytes_endpoint import endpoint_from
 from api.dispatch import Dispatcher
 from api.dispatch_port import DispatchPort
+from api.ensemble import Ensembles
 from api.health import WorkerWatch
 from api.infer import ASGIApp, InferRoute
 from api.input_arena import InputArena
@@ -86,10 +87,11 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                        transport=settings.tensor_transport)
     service = InferenceService(models, dispatcher, watch, keys, ApiMetrics(),
                                BodyLimits.from_settings(settings), broken=scan.failed, shm=shm,
-                               arena=arena)
+                               arena=arena, ensembles=Ensembles(scan.ensembles))
     repository = Repository(settings.model_repository, settings.model_filter() or None, models,
                             service.unloaded, dispatcher, watch, keys, settings.heartbeat_interval_s,
-                            failed=scan.failed, control=settings.model_control == "explicit")
+                            failed=scan.failed, control=settings.model_control == "explicit",
+                            ensembles=service.ensembles)
     guard = Guard(KeyStore(settings.api_keys_file), settings.auth_health, settings.auth_metrics)
 
     async def sample_process() -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from api.dispatch_port import DispatchPort
+from api.ensemble import Ensembles
 from api.health import WorkerWatch
 from api.periodic import Periodic
 from batching.config import ConfigError, ModelConfig
@@ -66,9 +67,9 @@ class Repository:
     def __init__(self, root: Path, only: set[str] | None, models: dict[str, ModelConfig],
                  unloaded: set[str], dispatcher: DispatchPort, watch: WorkerWatch, keys: Keys,
                  interval_s: float, failed: dict[str, str] | None = None,
-                 control: bool = False) -> None:
+                 control: bool = False, ensembles: Ensembles | None = None) -> None:
         """``failed`` (model -> reason) is shared with the service and the worker watch;
-        ``control`` allows load and unload over the API."""
+        ``control`` allows load and unload over the API; ``ensembles``, the service's."""
         self.root = root
         self._only = only
         self._models = models
@@ -78,6 +79,7 @@ class Repository:
         self._watch = watch
         self._keys = keys
         self._control = control
+        self._ensembles = ensembles or Ensembles()
         self._seen: dict[str, bytes] = {}
         """The hash value last applied per model: only changes are acted on."""
         self._pending: dict[str, tuple[ModelConfig, dict[str, Any] | None, float]] = {}
@@ -297,6 +299,10 @@ class Repository:
         return entries
 
     async def _state(self, name: str, folder: Path, reasons: bool) -> tuple[str, str]:
+        if name in self._ensembles.plans:
+            if self._ensembles.ready(name, self._watch.model_ready):
+                return "READY", ""
+            return "UNAVAILABLE", "a step model has no ready worker"
         if name in self._models:
             if self._watch.model_ready(name):
                 return "READY", ""

@@ -21,7 +21,7 @@ from api.service import InferenceService
 from api.stats import statistics
 from batching.config import ModelConfig
 from batching.errors import ConveyorError, InvalidInput, Overloaded, Unavailable
-from batching.triton_config import triton_config
+from batching.triton_config import ensemble_config, triton_config
 
 _READY_TYPE = "Invalid value for 'ready': expected a boolean"
 _DEPTH_EXCEEDED = "depth limit exceeded"
@@ -158,7 +158,8 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
 
     @app.get("/v2/models/stats")
     async def all_stats() -> dict[str, Any]:
-        return await statistics(service.dispatcher.redis, service.keys, sorted(service.models))
+        return await statistics(service.dispatcher.redis, service.keys,
+                                sorted([*service.models, *service.ensembles.plans]))
 
     @app.get("/v2/models/{model}")
     @app.get("/v2/models/{model}/versions/{version}")
@@ -169,7 +170,7 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
     @app.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str = "") -> JSONResponse:
         service.model(model, version)
-        if not service.watch.model_ready(model):
+        if not service.model_ready(model):
             failure = service.watch.failure(model)
             why = f"failed to load: {failure[1]}" if failure else "has no ready worker"
             return error_response(Unavailable(f"model {model!r} {why}"))
@@ -178,7 +179,9 @@ def add_routes(app: FastAPI, service: InferenceService, repository: Repository,
     @app.get("/v2/models/{model}/config")
     @app.get("/v2/models/{model}/versions/{version}/config")
     async def model_config(model: str, version: str = "") -> dict[str, Any]:
-        return triton_config(service.model(model, version))
+        config = service.model(model, version)
+        plan = service.ensembles.plans.get(model)
+        return triton_config(config) if plan is None else ensemble_config(plan)
 
     @app.get("/v2/models/{model}/stats")
     @app.get("/v2/models/{model}/versions/{version}/stats")

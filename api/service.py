@@ -11,6 +11,7 @@ from typing import Any
 from api.body import BodyLimits
 from api.dispatch import Admission
 from api.dispatch_port import DispatchPort
+from api.ensemble import Ensembles
 from api.health import WorkerWatch
 from api.input_arena import InputArena
 from api.kserve import InferRequest, Vet
@@ -66,6 +67,8 @@ class InferenceService:
     """Large inputs through shared memory, to inference processes of this host."""
     spread: Spread = field(default_factory=Spread)
     """Which partition of its model each request enters (``queue.partitions``)."""
+    ensembles: Ensembles = field(default_factory=Ensembles)
+    """Triton ensembles, served over the models here (api/ensemble.py)."""
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         """The loaded model ``name``, when it serves ``version`` ("": its newest)."""
@@ -74,6 +77,8 @@ class InferenceService:
     def _resolve(self, name: str, version: str) -> tuple[ModelConfig, str]:
         """:meth:`model`, and the version that answers ("007" asks for version 7)."""
         config = self.models.get(name)  # the registry holds valid names only (api.repository_control)
+        if config is None and name in self.ensembles.plans:
+            config = self.ensembles.plans[name].config
         if config is None:
             if name in self.unloaded:
                 raise no_available_versions(name, "unloaded")
@@ -105,6 +110,8 @@ class InferenceService:
 
         Raises the mapped :class:`ConveyorError` on any failure, after counting it.
         """
+        if model in self.ensembles.plans:  # its steps are requests of this method
+            return await self.ensembles.infer(self, model, parse, started, protocol, version)
         self.metrics.protocol(protocol).inc()
         try:
             config, version = self._resolve(model, version)
@@ -190,6 +197,12 @@ class InferenceService:
         series.queue.observe(reply.queue_ms / 1000.0)
         series.batch_size.observe(reply.batch_rows)
         return parsed, reply
+
+    def model_ready(self, name: str) -> bool:
+        """A model has a ready worker; an ensemble, every one of its step models."""
+        if name in self.ensembles.plans:
+            return self.ensembles.ready(name, self.watch.model_ready)
+        return self.watch.model_ready(name)
 
     async def _bind(self, parsed: InferRequest, model: str) -> Binding | None:
         """Read the inputs given by shared memory region, hold the output regions."""

@@ -311,7 +311,8 @@ class Supervisor:
         config = self.models.get(model)
         try:
             turn_away(self._redis, self.settings.redis_url, self.keys, model,
-                      config.queue.priority_levels if config else 1)
+                      config.queue.priority_levels if config else 1,
+                      config.queue.partitions if config else 1)
         except (*REDIS_FAILED, RespError) as exc:
             log.warning("could not answer the unread requests of %s: %s", model, exc)
 
