@@ -46,6 +46,11 @@ POLL_S = 0.1
 TOKENS_DRAWN = 256
 """Tokens' worth of random bytes taken from the OS at once: one call each cost the API
 about 2% of its CPU at 1,800 requests a second."""
+MAX_CONNECTIONS = 1024
+"""Connections one endpoint holds at most (a thread each); more are closed at once."""
+STALL_S = 10.0
+"""The longest a connection may stall inside a fetch (its TLS handshake, the rest of a
+request begun, taking the reply): then it is closed."""
 SENDMSG_PARTS = 512
 """Buffers handed to one ``sendmsg`` at most (the kernel's IOV_MAX is 1024)."""
 
@@ -161,9 +166,17 @@ class _Server(socketserver.ThreadingTCPServer):
 
     def get_request(self) -> tuple[socket.socket, Any]:
         sock, peer = self.socket.accept()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
-            self._open.add(sock)
+            full = len(self._open) >= MAX_CONNECTIONS
+            if not full:
+                self._open.add(sock)
+        if full:
+            sock.close()
+            log.warning("bytes endpoint: refused a connection from %s: %d open already",
+                        peer, MAX_CONNECTIONS)
+            raise OSError("too many connections")  # socketserver drops the request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(STALL_S)
         return sock, peer
 
     def shutdown_request(self, request: Any) -> None:
@@ -208,8 +221,9 @@ class _Connection(socketserver.BaseRequestHandler):
 
 
 def _read_fetch(sock: socket.socket) -> list[tuple[int, bytes]] | None:
-    """The next fetch on ``sock``; None when the peer closed it between fetches."""
-    head = _recv_exactly(sock, COUNT.size)
+    """The next fetch on ``sock`` (waited for as long as it takes; once begun, each read
+    of it within ``STALL_S``); None when the peer closed it between fetches."""
+    head = _recv_exactly(sock, COUNT.size, idle=True)
     if head is None:
         return None
     magic, count = COUNT.unpack(head)
@@ -221,12 +235,19 @@ def _read_fetch(sock: socket.socket) -> list[tuple[int, bytes]] | None:
     return [ITEM.unpack_from(body, ITEM.size * i) for i in range(count)]
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
+def _recv_exactly(sock: socket.socket, size: int, idle: bool = False) -> bytes | None:
+    """``size`` bytes; None if the peer closed first. ``idle``: before the first byte the
+    socket's timeout only means nothing came yet."""
     data = bytearray(size)
     view = memoryview(data)
     got = 0
     while got < size:
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if idle and got == 0:
+                continue
+            raise
         if n == 0:
             return None
         got += n

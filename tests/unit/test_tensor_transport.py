@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from api import bytes_endpoint
 from api.bytes_endpoint import BytesEndpoint, advertised_host, endpoint_from
 from api.input_arena import InputArena
 from batching import tensor_transport
@@ -22,7 +23,13 @@ from batching.config import ModelConfig, TensorSpec
 from batching.envelope import Request, Tensor
 from batching.settings import Settings
 from batching.tensor_arena import ArenaReader, TensorGone
-from batching.tensor_transport import FetchClient, Ref, client_context, is_remote
+from batching.tensor_transport import (
+    FetchClient,
+    Ref,
+    client_context,
+    encode_request,
+    is_remote,
+)
 from tests.test_listeners import make_cert
 
 LATER_MS = 60_000
@@ -295,3 +302,41 @@ def test_inputs_the_full_arena_cannot_take_go_to_the_endpoint(
 def test_every_tensor_gets_a_token_of_its_own(endpoint: BytesEndpoint) -> None:
     tokens = [endpoint.put(b"t", _later())[4] for _ in range(600)]  # past two draws of entropy
     assert len(set(tokens)) == len(tokens) and {len(t) for t in tokens} == {16}
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """The endpoint closed ``sock`` within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+def test_a_stalled_fetch_is_cut_and_an_idle_connection_kept(
+        monkeypatch: pytest.MonkeyPatch, endpoint: BytesEndpoint) -> None:
+    monkeypatch.setattr(bytes_endpoint, "STALL_S", 0.2)
+    ref = endpoint.put(b"i" * 10, _later())
+    host, port = endpoint.where.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as stalled, \
+            socket.create_connection((host, int(port))) as idle:
+        stalled.sendall(encode_request([(ref[1], ref[4])])[:5])  # and nothing more
+        assert _closed_within(stalled, 10.0)
+        time.sleep(0.5)  # idle past the stall limit between fetches
+        idle.sendall(encode_request([(ref[1], ref[4])]))
+        idle.settimeout(10.0)
+        assert idle.recv(64).endswith(b"i" * 10)
+
+
+def test_connections_beyond_the_most_are_closed_at_once(
+        monkeypatch: pytest.MonkeyPatch, endpoint: BytesEndpoint) -> None:
+    monkeypatch.setattr(bytes_endpoint, "MAX_CONNECTIONS", 2)
+    host, port = endpoint.where.removeprefix("tcp://").rsplit(":", 1)
+    held = [socket.create_connection((host, int(port))) for _ in range(2)]
+    try:
+        with socket.create_connection((host, int(port))) as third:
+            assert _closed_within(third, 10.0)
+        assert not any(_closed_within(sock, 0.2) for sock in held)
+    finally:
+        for sock in held:
+            sock.close()
