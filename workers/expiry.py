@@ -49,7 +49,9 @@ class Expiry:
         """Since when every read took all the rows there was room for (None: the last one
         did not): more is waiting. Past capacity once it has lasted ``_sustained_s``."""
         self.overloaded = False
-        """Past capacity, until a read finds the queue drained."""
+        """Past capacity, until the queue has stayed drained for ``_sustained_s``."""
+        self._drained_since: float | None = None
+        """Past capacity, since when the queue has been drained (None: it is not)."""
         self.in_time_rows = 0
         """Past capacity, the most rows the next batch may hold so that all of them are
         answered in time (0: no such bound now)."""
@@ -72,14 +74,21 @@ class Expiry:
         elif now - self._backlog_since >= self._sustained_s:
             self._set(True)
 
-    def formed(self, left: int) -> None:
-        """A batch was formed, leaving ``left`` entries waiting here. Past capacity ends
-        when it took all that waited and the last read was not full: the queue drained."""
-        if not left and self._backlog_since is None:
+    def formed(self, left: int, now: float) -> None:
+        """A batch was formed, or refusals answered, leaving ``left`` entries waiting here.
+        Past capacity ends once the queue has stayed drained (each took all that waited,
+        after a read that was not full) for as long as the latency target: a queue that
+        only drains now and then is still standing."""
+        if left or self._backlog_since is not None:
+            self._drained_since = None
+        elif self._drained_since is None:
+            self._drained_since = now
+        elif now - self._drained_since >= self._sustained_s:
             self._set(False)
 
     def _set(self, on: bool) -> None:
         self.overloaded = on
+        self._drained_since = None
         self._former.overload(on)
 
     def answer(self, now: float) -> None:
@@ -87,7 +96,7 @@ class Expiry:
         capacity, those the policy says a batch started now could not answer in time
         (before their deadline; with ``lifo``, within the latency target too). Below
         capacity, and in a burst, nothing is shed on a forecast: a noisy fit would cost
-        requests that make it. Past capacity ends, too, when nothing is left waiting."""
+        requests that make it. Nothing left waiting counts as a drained queue too."""
         former = self._former
         expired = former.take_expired(now)
         if expired:
@@ -95,7 +104,7 @@ class Expiry:
         self.in_time_rows = 0
         if self.overloaded:
             self._shed(now)
-            self.formed(len(former))
+            self.formed(len(former), now)
 
     def _shed(self, now: float) -> None:
         horizon = self._policy.shed_horizon_s

@@ -222,7 +222,7 @@ class InferenceLoop:
         cap = min(decision.max_rows or self.row_cap.cap, self.row_cap.cap)
         batch = self.former.take(decision.reason or "drain",
                                  min(cap, self.expiry.in_time_rows or cap))
-        self.expiry.formed(len(self.former))
+        self.expiry.formed(len(self.former), now)
         return batch
 
     def _prepare(self, now: float) -> None:
