@@ -40,7 +40,8 @@ class InputArena:
         self._directory = directory
         self._endpoint = endpoint if transport != "redis" else None
         self._models = models or {}
-        self._fetch_always = transport == "fetch"
+        self._shared_off = transport == "auto" and size <= 0
+        """The arena is turned off: a model sharing this host's memory gets Redis."""
         self._arena: Arena | None = None
         self._token: str | None = None
         self._looked = False
@@ -85,8 +86,8 @@ class InputArena:
             self._open()
         token = self._token
         sharing = token is not None and self._shares(model, token)
-        if sharing and self._arena is None and not self._fetch_always:
-            return []  # the arena turned off on a host the model shares
+        if sharing and self._shared_off:
+            return []
         stores: list[Callable[[bytes | memoryview], Ref | None]] = []
         if sharing and self._arena is not None:
             stores.append(self._arena.put)

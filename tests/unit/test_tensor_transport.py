@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from api import bytes_endpoint
+from api import bytes_endpoint, input_arena
 from api.bytes_endpoint import BytesEndpoint, advertised_host, endpoint_from
 from api.input_arena import InputArena
 from batching import tensor_transport
@@ -340,3 +340,15 @@ def test_connections_beyond_the_most_are_closed_at_once(
     finally:
         for sock in held:
             sock.close()
+
+
+def test_an_arena_that_cannot_be_made_leaves_the_endpoint(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: BytesEndpoint) -> None:
+    def no_room(size: int, directory: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(input_arena, "Arena", no_room)
+    placer = InputArena(64 * 1024, 1000, lambda model, token: True, tmp_path,
+                        endpoint=endpoint, models={"near": _config()})
+    refs = placer.place("near", _inputs(2000))
+    assert refs is not None and is_remote(refs[0])
