@@ -5,7 +5,7 @@ Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny,device] [--loads 10,3
                              [--fixed 0,1000,2000,5000,10000,20000] [--arrivals poisson,on-off]
                              [--point-s 4] [--warmup-s 1] [--target-ms 50] [--timeout-ms T]
                              [--max-lag-ms 5]
-                             [--repeats 1] [--slices 1] [--out bench/RESULTS-batching.md]
+                             [--repeats 1] [--slices 1] [--triton] [--out bench/RESULTS-batching.md]
 
 Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the
 adaptive policy measures its closed-loop capacity (the better of 64 and 256 connections, req/s)
@@ -24,7 +24,8 @@ says so), or ``--timeout-ms``. Goodput = answers with status 200 within the targ
 ``--max-lag-ms`` is refused (marked, and left out of the verdict). The simulator
 (bench.scheduler_sim.run_loop) gets the same send times, a device with the learned ``t(n)`` and
 the same policy, and the fixed path outside the worker (c=1 latency minus ``t(1)``) added to
-every answer."""
+every answer. With ``--triton``, NVIDIA Triton's dynamic batcher serves the MLPs as one more
+row (bench/triton.py), rejecting what has waited the target in its queue."""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ import uvloop
 
 from batching.adaptive import AdaptivePolicy
 from batching.policy import FixedWindow, Policy
-from bench import device_model, open_loop
+from bench import device_model, open_loop, triton
 from bench import run as base
-from bench.models import MAX_BATCH_SIZE, write_repository
+from bench.models import LAYERS, MAX_BATCH_SIZE, write_repository
 from bench.scheduler_sim import Device, run_loop
 from bench.sweep_report import Point, Setting, median_run, report
 from conveyor.harness import RedisServer, free_port
@@ -126,6 +127,25 @@ def conveyor(model: str, repo: Path, work: Path, body: bytes) -> Iterator[Stack]
         stack.enter_context(base.started(groups, lambda: base.http_ok(f"{root}/v2/health/ready")
                                          and base.http_ok(f"{root}/v2/models/{model}/infer", body)))
         yield Stack("127.0.0.1", port, model, body)
+
+
+@contextmanager
+def triton_stack(model: str, exported: Path, work: Path, body: bytes, setting: Setting,
+                 target_ms: float) -> Iterator[Stack]:
+    """NVIDIA Triton serving ``model`` in its Python backend (bench/triton.py), its dynamic
+    batcher waiting ``setting.delay_us`` and rejecting what has waited ``target_ms`` in its
+    queue (its best queue timeout for answers within the target; a request's own timeout is
+    not allowed to override it)."""
+    venv = triton.ensure_venv()
+    ports = (free_port(), free_port(), free_port())
+    argv, env = triton.python_backend_server(
+        venv, work, exported / model / "model.onnx", model, (LAYERS[model][0], LAYERS[model][-1]),
+        MAX_BATCH_SIZE, ports, setting.delay_us, int(target_ms * 1000))
+    stack = Stack("127.0.0.1", ports[0], model, body)
+    url = f"http://{stack.host}:{stack.port}{stack.path}"
+    with base.started([base.server("tritonserver", argv, env, work)],
+                      lambda: base.http_ok(url, body)):
+        yield stack
 
 
 def connections_for(rate: float) -> int:
@@ -250,6 +270,8 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
     body = request_body(model, int(args.timeout_ms * 1000))
     adaptive = Setting(True, 0)
     settings = [adaptive, *(Setting(False, d) for d in args.fixed)]
+    if args.triton and model in LAYERS:
+        settings.append(Setting(False, args.fixed[0], triton=True))
     exported = work / "exported"
     if not exported.exists():
         write_repository(exported)
@@ -258,6 +280,11 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
         served: dict[Setting, Stack] = {}
         for setting in settings:
             folder = work / model / setting.label.replace(" ", "-")
+            if setting.triton:
+                folder.mkdir(parents=True)
+                served[setting] = stacks.enter_context(triton_stack(
+                    model, exported, folder, body, setting, args.target_ms))
+                continue
             # The models exported once, hard-linked into each stack's repository; its own
             # config.yaml is a new file (the export has none), so no stack sees another's.
             shutil.copytree(exported, folder / "repo", copy_function=os.link)
@@ -320,6 +347,9 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=1,
                         help="a run of each policy at a point is this many slices of "
                              "--point-s, the policies taking turns slice by slice, pooled")
+    parser.add_argument("--triton", action="store_true",
+                        help="on the MLPs, NVIDIA Triton's dynamic batcher as a row too (the "
+                             "first --fixed window, rejecting what waited the target in its queue)")
     parser.add_argument("--out", type=Path, default=base.ROOT / "bench" / "RESULTS-batching.md")
     args = parser.parse_args()
     if args.timeout_ms is None:

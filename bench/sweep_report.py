@@ -26,9 +26,13 @@ get answered.)"""
 class Setting:
     adaptive: bool
     delay_us: int
+    triton: bool = False
+    """NVIDIA Triton's dynamic batcher with this window, not conveyor (bench.sweep --triton)."""
 
     @property
     def label(self) -> str:
+        if self.triton:
+            return f"Triton {self.delay_us / 1000:g} ms"
         return "adaptive" if self.adaptive else f"fixed {self.delay_us / 1000:g} ms"
 
 
@@ -150,6 +154,12 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         f"scheduled send time; goodput = 200s within {args.target_ms:g} ms per second; a point whose "
         f"send lag p99 exceeds {args.max_lag_ms:g} ms is refused",
         "- on-off: 100 ms of Poisson arrivals at twice the rate, then 100 ms silent (same mean)",
+        *(["- Triton: NVIDIA Triton 2.51 (nvidia-pytriton 0.7.0, bench/.triton-venv) serving the "
+           "same ONNX file in its Python backend with onnxruntime (bench/triton.py), its dynamic "
+           "batcher with the first fixed window and `default_queue_policy { timeout_action: "
+           f"REJECT, default_timeout_microseconds: {args.target_ms * 1000:g}, "
+           "allow_timeout_override: false }`: its best queue timeout for answers within the "
+           "target"] if args.triton else []),
         *([f"- repeats: {args.repeats} rounds per pattern and load, every policy once per round "
            "(the order rotated from round to round); a policy's point is its run of median "
            "goodput among those whose generator kept up, with every run's goodput beside it: "

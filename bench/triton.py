@@ -41,7 +41,7 @@ backend: "python"
 max_batch_size: {max_batch_size}
 input [{{ name: "INPUT0", data_type: TYPE_FP32, dims: [{n_in}] }}]
 output [{{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [{n_out}] }}]
-dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
+dynamic_batching {{ max_queue_delay_microseconds: {delay_us}{queue_policy} }}
 instance_group [{{ kind: KIND_CPU, count: 1 }}]
 parameters {{ key: "intra_op_threads", value: {{ string_value: "{threads}" }} }}
 """
@@ -100,11 +100,21 @@ def pytriton_argv(venv: TritonVenv, onnx_dir: Path, model: str, http_port: int, 
             "--delay-us", str(MAX_QUEUE_DELAY_US), "--threads", str(INTRA_OP_THREADS)]
 
 
+def queue_policy(timeout_us: int) -> str:
+    """The dynamic batcher's ``default_queue_policy``: a request that has waited
+    ``timeout_us`` in Triton's queue is rejected, whatever its own ``timeout``."""
+    return (f" default_queue_policy {{ timeout_action: REJECT, default_timeout_microseconds: "
+            f"{timeout_us} allow_timeout_override: false }}")
+
+
 def python_backend_server(venv: TritonVenv, work: Path, onnx: Path, model: str, widths: tuple[int, int],
-                          max_batch_size: int,
-                          ports: tuple[int, int, int]) -> tuple[list[str], dict[str, str]]:
+                          max_batch_size: int, ports: tuple[int, int, int],
+                          delay_us: int = MAX_QUEUE_DELAY_US,
+                          queue_timeout_us: int | None = None) -> tuple[list[str], dict[str, str]]:
     """tritonserver's argv and environment for ``model`` (its ONNX file ``onnx``, its input and
-    output widths) in the plain Python backend, on the (HTTP, gRPC, metrics) ``ports``.
+    output widths) in the plain Python backend, on the (HTTP, gRPC, metrics) ``ports``; its
+    dynamic batcher waits ``delay_us``, and with ``queue_timeout_us`` rejects what has
+    waited that long (:func:`queue_policy`).
 
     Writes the model repository and a backend directory under ``work``: the wheel's Python
     backend plus the stub for the venv's Python version, as pytriton itself lays it out."""
@@ -118,7 +128,8 @@ def python_backend_server(venv: TritonVenv, work: Path, onnx: Path, model: str, 
     shutil.copy2(onnx, version_dir / "model.onnx")
     shutil.copy2(ROOT / "bench" / "triton_model.py", version_dir / "model.py")
     (version_dir.parent / "config.pbtxt").write_text(CONFIG_PBTXT.format(
-        max_batch_size=max_batch_size, n_in=widths[0], n_out=widths[1], delay_us=MAX_QUEUE_DELAY_US,
+        max_batch_size=max_batch_size, n_in=widths[0], n_out=widths[1], delay_us=delay_us,
+        queue_policy="" if queue_timeout_us is None else queue_policy(queue_timeout_us),
         threads=INTRA_OP_THREADS))
     http, grpc, metrics = ports
     argv = [str(venv.dist / "bin" / "tritonserver"), "--model-repository", str(work / "repository"),
