@@ -162,6 +162,17 @@ class ModelFailure(ConveyorError):
     grpc_status = "INTERNAL"
 
 
+class ModelCallFailed(ConveyorError):
+    """A model that a Python model called from ``predict`` (batching/bls.py) answered an
+    error, or its call could not be made: :attr:`model` names it. Raised as a subclass of
+    this and of the error's own type (:func:`call_failed`), so it keeps that error's code
+    and status: uncaught, the calling batch's requests answer it."""
+
+    def __init__(self, message: str, model: str = "") -> None:
+        super().__init__(message)
+        self.model = model
+
+
 _BY_CODE: dict[str, type[ConveyorError]] = {
     cls.code: cls
     for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
@@ -179,3 +190,16 @@ def from_code(code: str, message: str) -> ConveyorError:
 def status_table() -> dict[str, tuple[int, str]]:
     """code -> (HTTP status, gRPC status name): the table the docs print."""
     return {code: (cls.http_status, cls.grpc_status) for code, cls in _BY_CODE.items()}
+
+
+_CALLED: dict[str, type[ModelCallFailed]] = {}
+
+
+def call_failed(model: str, code: str, message: str) -> ModelCallFailed:
+    """The error of called model ``model``: a :class:`ModelCallFailed` that is also the
+    type ``code`` names (unknown codes: :class:`ConveyorError`)."""
+    cls = _BY_CODE.get(code, ConveyorError)
+    made = _CALLED.get(cls.code)
+    if made is None:
+        made = _CALLED[cls.code] = type(f"Called{cls.__name__}", (ModelCallFailed, cls), {})
+    return made(f"model {model!r} called from predict failed: {message}", model)

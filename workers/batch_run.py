@@ -1,6 +1,7 @@
 """Running one batch through the model: stack the entries' inputs, predict, split the
 outputs into one reply per entry, and on out of memory bisect the batch (then a single
-request's rows) until what is left fits or one row fails alone.
+request's rows) until what is left fits or one row fails alone. ``predict`` runs in its
+batch's context (batching/bls.py): the deadline and priority its calls to other models carry.
 
 The runner touches nothing the loop's thread uses (it may run on the model thread,
 workers/model_thread.py): what a batch showed of device memory goes back in its
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from batching.bls import BatchContext, Caller, batch_deadline_ms, batch_priority
+from batching.bls import batch as calls_of
 from batching.datatypes import from_numpy
 from batching.envelope import VERSION, Reply, Tensor
 from batching.errors import ConveyorError, ModelFailure, Unavailable
@@ -29,6 +32,7 @@ from workers.backends import (
     is_out_of_memory,
 )
 from workers.every_core import EveryCore
+from workers.model_calls import DeferredCalls
 
 log = logging.getLogger("conveyor.inference")
 
@@ -64,6 +68,9 @@ class BatchRunner:
     batch layout, and the output datatypes (learned from the first outputs where the
     configuration names none)."""
 
+    calls: Caller = DeferredCalls()
+    """What makes the calls of a Python model's ``predict`` (batching/bls.py)."""
+
     def __init__(self, name: str, layout: Layout, model: LoadedModel,
                  versions: dict[str, LoadedModel], out_types: dict[str, str]) -> None:
         self.name = name
@@ -96,7 +103,8 @@ class BatchRunner:
                       else batch.stacked_inputs(getattr(model, "staging", None)))
             stacked = time.perf_counter_ns()
             phases[0] += stacked - begun
-            outputs = self.predict(inputs, rows, model, batch.lone)
+            with calls_of(self._context(entries)):
+                outputs = self.predict(inputs, rows, model, batch.lone)
             phases[1] += time.perf_counter_ns() - stacked
         except ConveyorError as exc:
             return [(e, Reply(e.request.id, error_code=exc.code, error=exc.message))
@@ -126,8 +134,9 @@ class BatchRunner:
         """One request out of memory: bisect its rows; a single row that fails, fails alone."""
         try:
             alone = Batch([entry], "", self.layout)
-            outputs = self._predict_halves(alone.stacked_inputs(), entry.rows, alone.width,
-                                           done, self._model_for(entry))
+            with calls_of(self._context([entry])):
+                outputs = self._predict_halves(alone.stacked_inputs(), entry.rows, alone.width,
+                                               done, self._model_for(entry))
         except _OutOfMemory:
             error = ModelFailure(f"model {self.name!r} ran out of device memory on a "
                                  "single row of this request")
@@ -153,6 +162,12 @@ class BatchRunner:
             second = self._predict_halves({k: v[half:] for k, v in inputs.items()},
                                           rows - half, width, done, model)
             return {k: np.concatenate([first[k], second[k]]) for k in first}
+
+    def _context(self, entries: list[Entry]) -> BatchContext:
+        """The batch the calls of ``predict`` carry: the earliest deadline of ``entries``
+        and the most urgent priority."""
+        return BatchContext(self.name, batch_deadline_ms([e.request.deadline_ms for e in entries]),
+                            batch_priority([e.request.prio for e in entries]), self.calls)
 
     def _model_for(self, entry: Entry) -> LoadedModel:
         """The loaded version the entry asked for (a batch holds one version only)."""
