@@ -236,6 +236,12 @@ class BatchFormer:
             return entry.request.prio, -entry.request.enq_ms
         return entry.request.prio, self.due(entry)
 
+    def waited(self, now: float) -> float:
+        """The longest any entry waiting here has waited since the API enqueued it."""
+        if not self._pending:
+            return 0.0
+        return now - min(e.request.enq_ms for e in self._pending) / 1000.0
+
     def overload(self, on: bool) -> None:
         """Enter or leave the past-capacity order."""
         if on != self.overloaded:

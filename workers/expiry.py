@@ -66,12 +66,16 @@ class Expiry:
         return bound * OVERLOAD_READ if self.overloaded and self._lifo else bound
 
     def read(self, got: int, room: int, now: float) -> None:
-        """A read at ``now`` with ``room`` for rows took ``got`` entries."""
+        """A read at ``now`` with ``room`` for rows took ``got`` entries (already added to
+        the former). Past capacity begins once every read has been full for as long as the
+        latency target and the oldest waiting has waited longer than it: a queue that
+        stands, not one that a burst filled and that still answers in time."""
         if got < room:
             self._backlog_since = None
         elif self._backlog_since is None:
             self._backlog_since = now
-        elif now - self._backlog_since >= self._sustained_s:
+        elif (now - self._backlog_since >= self._sustained_s
+              and self._former.waited(now) >= self._sustained_s):
             self._set(True)
 
     def formed(self, left: int, now: float) -> None:

@@ -189,8 +189,8 @@ class InferenceLoop:
                 # processes feeding it.
                 poll, self._lone = self._lone, False
                 fresh = self.streams.read(room, block, poll=poll)
-                self.expiry.read(len(fresh), room, now)
                 self._arrived(fresh)
+                self.expiry.read(len(fresh), room, now)
                 room = bound - self.former.pending_rows
             now = time.time()
         elif not self.stopping and self.former.best_priority > 1:

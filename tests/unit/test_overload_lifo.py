@@ -160,3 +160,18 @@ def test_a_fixed_window_keeps_the_order_of_deadlines_past_capacity() -> None:
     got = {r.id: r for r in streams.replies(REPLY)}
     assert got[old[-1].id].ok and model.ran == [8, 8]  # Triton's rule: the oldest first
     assert loop.former.target_s is None and loop.expiry.room(8) == 8
+
+
+def test_a_full_queue_whose_requests_still_make_the_target_is_not_past_capacity() -> None:
+    loop, _, _ = make_loop(adaptive=True, target_ms=100.0, overload="lifo")
+    expiry, now = loop.expiry, time.time()
+    fresh = Entry("s", "1", request(60.0), now)
+    loop.former.add([fresh])
+    expiry.read(8, 8, now - 0.2)  # every read full for 200 ms: a backlog...
+    expiry.read(8, 8, now)
+    assert not expiry.overloaded  # ...whose oldest has waited less than the target
+    old = request(60.0)
+    old.enq_ms -= 150.0
+    loop.former.add([Entry("s", "2", old, now)])
+    expiry.read(8, 8, now)
+    assert expiry.overloaded
