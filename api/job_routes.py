@@ -97,6 +97,10 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             if not isinstance(model, str):
                 raise InvalidInput("'model' must name the model to run")
             config = service.model(model)
+            plan = service.ensembles.plans.get(model)
+            if plan is not None and any(step.when is not None for step in plan.steps):
+                raise InvalidInput(f"ensemble {model!r} has conditional steps: a job runs "
+                                   "every step on every chunk, so it takes none")
             if not config.batched:
                 raise InvalidInput(f"model {model!r} has no batch dim (max_batch_size 0): a "
                                    "job feeds its rows in chunks, so it needs one")

@@ -13,6 +13,10 @@ Each finished chunk is stored at once, so a job whose worker dies is resumed by 
 from what is done (see :mod:`workers.job_tasks`). A chunk answered with a deadline or
 availability error, or not answered by its deadline, is sent again; any other error
 fails the job. Cancelling withdraws the chunks no worker has read yet.
+
+A job on an ensemble sends each chunk through the ensemble's steps in order
+(:mod:`batching.job_route`), each step an ordinary request of its step model: a chunk's
+reply sends its next step, and the last step's outputs are the chunk's.
 """
 
 from __future__ import annotations
@@ -23,21 +27,20 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from batching.backoff import Backoff
-from batching.envelope import Reply, Request, Tensor
-from batching.errors import DeadlineExceeded, Overloaded, Unavailable
+from batching.config import ConfigError
+from batching.envelope import Reply, Tensor
+from batching.errors import ConveyorError, DeadlineExceeded, Overloaded, Unavailable
 from batching.job_record import (
-    ADMIT_LUA,
     LEASE_LUA,
     TRANSITION_LUA,
     UNFINISHED,
     WAKE,
-    WITHDRAW_LUA,
     JobRecord,
     JobState,
     Rows,
@@ -45,10 +48,12 @@ from batching.job_record import (
     signature,
     unpack_tensors,
 )
-from batching.keys import GROUP, Keys
+from batching.job_route import read_route
+from batching.keys import Keys
 from batching.lua import pipelined
 from batching.redis_errors import REDIS_UNREACHABLE
 from batching.settings import Settings
+from workers.job_requests import ChunkRequests, Sent, chunk_step
 from workers.job_store import ChunkStore
 
 log = logging.getLogger("conveyor.jobs")
@@ -63,21 +68,7 @@ CHECK_EVERY_S = 0.2
 COUNT_EVERY_S = 2.0
 """How often the default in-flight limit follows the model's ready instances."""
 MIN_IN_FLIGHT = 2
-LATE_GRACE_S = 30.0
-"""A chunk unanswered this long after its deadline was lost (say, Redis restarted)."""
 BACKOFF_S = (0.05, 2.0)
-
-
-@dataclass(slots=True)
-class Sent:
-    """A chunk admitted into a stream and not answered yet."""
-
-    index: int
-    stream: str
-    entry_id: str
-    rows: int
-    late_at: float
-    """Monotonic time after which its reply is given up for lost."""
 
 
 class JobFailed(Exception):
@@ -106,10 +97,8 @@ class JobRunner:
         self.error = ""
         self._job_key = keys.job(record.id)
         self._reply_key = keys.job_replies(record.id)
-        self._stream = keys.queue(record.model, record.priority)
-        self._rows_key = keys.rows_waiting(record.model)
-        self._admit = client.register_script(ADMIT_LUA)
-        self._withdraw = client.register_script(WITHDRAW_LUA)
+        self._requests = ChunkRequests(client, keys, record, self.token, self._reply_key,
+                                       settings.job_chunk_timeout_s)
         self._transition = client.register_script(TRANSITION_LUA)
         self._lease = client.register_script(LEASE_LUA)
         self._store = ChunkStore(client, keys, record)
@@ -117,7 +106,6 @@ class JobRunner:
         self._stored: set[int] = set()
         self._todo: deque[int] = deque()
         self._signature: list[tuple[str, str, tuple[int, ...]]] | None = None
-        self._attempts = 0
         self._backoff_until = 0.0
         self._refused = Backoff(*BACKOFF_S)
         """Waits between re-sends of chunks the full queue refused."""
@@ -184,6 +172,12 @@ class JobRunner:
         """Read what is done already (a resumed job) and the inputs still to send."""
         done = [int(i) for i in self.client.hkeys(self.keys.job_chunks(self.record.id))]
         self._stored = set(done)
+        try:
+            self._requests.route = read_route(Path(self.settings.model_repository), self.record.model,
+                                     self.record.priority, self.record.max_queue_rows,
+                                     self.record.outputs)
+        except (ConfigError, ConveyorError) as exc:
+            raise JobFailed(f"model {self.record.model!r} cannot run: {exc}") from None
         data = self.client.get(self.keys.job_input(self.record.id))
         if not isinstance(data, bytes):
             raise JobFailed("the job's inputs are gone (expired)")
@@ -242,7 +236,7 @@ class JobRunner:
         """Inference processes of the model with a fresh heartbeat in state ready."""
         now = time.time()
         beats = [json.loads(raw) for raw in
-                 self.client.hgetall(self.keys.workers(self.record.model)).values()]
+                 self.client.hgetall(self.keys.workers(self._requests.route.steps[0].model)).values()]
         return sum(b.get("state") == "ready" and now - float(b.get("ts", 0))
                    <= self.settings.heartbeat_stale_s for b in beats)
 
@@ -266,27 +260,14 @@ class JobRunner:
         if free <= 0 or not self._todo or now < self._backoff_until:
             return
         batch = [self._todo.popleft() for _ in range(min(free, len(self._todo)))]
-        wall_ms = int(time.time() * 1000)
-        deadline_ms = wall_ms + int(self.settings.job_chunk_timeout_s * 1000)
-        requests = []
-        args: list[Any] = [self.record.max_queue_rows]
+        by_step: dict[int, list[int]] = {}
         for index in batch:
-            self._attempts += 1
-            request = Request(id=f"{self.record.id}:{index}:{self.token}.{self._attempts}",
-                              reply=self._reply_key, deadline_ms=deadline_ms, enq_ms=wall_ms,
-                              prio=self.record.priority, inputs=self.rows.chunk(index),
-                              outputs=self.record.outputs)
-            requests.append(request)
-            args += (request.rows, request.encode())
-        admitted = self._admit(keys=[self._rows_key, self._stream], args=args)
-        late_at = now + self.settings.job_chunk_timeout_s + LATE_GRACE_S
+            by_step.setdefault(self._requests.step_of(index), []).append(index)
         rejected: list[int] = []
-        for index, request, (waiting, entry_id) in zip(batch, requests, admitted, strict=True):
-            if waiting < 0:
-                rejected.append(index)
-            else:
-                self._sent[request.id] = Sent(index, self._stream, entry_id.decode(),
-                                              request.rows, late_at)
+        for step, indexes in by_step.items():
+            sent, refused = self._requests.send(step, indexes, self.rows, now)
+            self._sent.update(sent)
+            rejected += refused
         if rejected:  # the queue is full: try again later, with the interactive traffic first
             self._todo.extendleft(reversed(rejected))
             self._backoff_until = now + self._refused.next()
@@ -329,25 +310,37 @@ class JobRunner:
         if reply.id == WAKE:
             self._next_check = 0.0
             return
-        index = int(reply.id.split(":")[1])
+        index, step = chunk_step(reply.id)
         sent = self._sent.pop(reply.id, None)
-        if index in self._stored or index in finished:
-            return  # an earlier attempt answered first
+        route, partial = self._requests.route, self._requests.partial
+        target = route.steps[step] if step < len(route.steps) else None
+        if (index in self._stored or index in finished or target is None
+                or step != self._requests.step_of(index)
+                or (target.inputs is not None and index not in partial)):
+            return  # an earlier attempt answered first, or one whose tensors are gone
         if not reply.ok:
             if reply.error_code not in RETRIED:
+                where = "" if target.inputs is None else f"step {target.model!r}: "
                 raise JobFailed(f"chunk {index} (rows {index * self.record.chunk_rows}..): "
-                                f"{reply.error}")
+                                f"{where}{reply.error}")
             if sent is not None:
                 log.info("job %s: chunk %d answered %s; sending it again", self.record.id,
                          index, reply.error_code)
                 self._todo.appendleft(index)
             return
-        self._check_signature(index, reply.outputs)
+        outputs = route.answered(step, partial.pop(index, (0, []))[1], reply.outputs)
+        if not route.last(step):
+            partial[index] = (step + 1, outputs)
+        else:
+            self._check_signature(index, outputs)
         for rid in [rid for rid, s in self._sent.items() if s.index == index]:
             del self._sent[rid]  # a resent chunk's first attempt answered: stop waiting
         if sent is None and index in self._todo:  # a reply to an earlier run of the job
             self._todo.remove(index)
-        finished[index] = reply.outputs
+        if route.last(step):
+            finished[index] = outputs
+        else:
+            self._todo.appendleft(index)  # on to its next step
 
     def _check_signature(self, index: int, outputs: list[Tensor]) -> None:
         got = signature(outputs)
@@ -389,13 +382,9 @@ class JobRunner:
     def _withdraw_sent(self) -> None:
         if not self._sent:
             return
-        sent = list(self._sent.values())
-        args: list[Any] = [GROUP]
-        for s in sent:
-            args += [s.entry_id, s.rows]
-        released = self._withdraw(keys=[self._rows_key, *(s.stream for s in sent)], args=args)
+        released = self._requests.withdraw(list(self._sent.values()))
         log.info("job %s: withdrew %d unread rows of %d chunks in flight", self.record.id,
-                 released, len(sent))
+                 released, len(self._sent))
         self._sent.clear()
 
     def _clean_up(self, keep_result: bool) -> None:
