@@ -4,7 +4,8 @@ Writes are coalesced: every request submitted during one event-loop tick goes ou
 one write (16 at most). The requests of a write that go to one stream are admitted by one
 call of a Lua script (batching/lua/admit_many.lua) that checks each in turn against the
 model's rows waiting and its limit and appends it to the stream, atomically, so the
-overload check costs no extra round trip and a rejected request writes nothing.
+overload check costs no extra round trip and a rejected request writes nothing; a large
+entry takes two steps instead, its bytes in a plain ``XADD`` (api/admission.py).
 Replies come back on one list per API process (``cv:reply:{api_id}``), popped in bulk
 on a second connection; each pop's reply resolves the requests' futures and sends the
 next pop. A request whose waiter is cancelled (its client left: an HTTP hang-up, a
@@ -22,20 +23,28 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from api.admission import (
+    LARGE_ENTRY_BYTES,
+    Pending,
+    admit_command,
+    append_command,
+    reserve_command,
+)
+from api.admission import REQUEST_ADMIT as REQUEST_ADMIT
+from api.admission import Admission as Admission
 from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.keys import GROUP, Keys
 from batching.lua import script
 from batching.redis_links import AsyncLink, link_opener
 from batching.redis_topology import async_redis
-from batching.resp import RespError
+from batching.resp import LinkHandler, RespError
 
 log = logging.getLogger(__name__)
 
@@ -50,31 +59,11 @@ worker idle while the API parses and the API idle while the worker runs
 POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
-REQUEST_ADMIT = script("admit_many")
-"""Admits the requests of one write that go to one stream in one call."""
 WITHDRAW = script("withdraw")
 EXEC_SMOOTHING = 0.25
 """Weight of the newest lone request's run time in its model's smoothed one."""
 POLL_LEAD = 0.8
 """The poll for a lone request starts after this share of its model's usual run time."""
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Where a request goes and what it may cost: its stream and the model's row budget."""
-
-    stream: str
-    rows_key: str
-    rows: int
-    max_rows: int
-    model: str = ""
-    """The model's name, for withdrawing the request; "" never withdraws it."""
-    partition: int = 0
-    """The model's partition ``stream`` and ``rows_key`` belong to (``queue.partitions``)."""
-
-
-Pending = tuple[Admission, bytes, "asyncio.Future[Reply]"]
-"""A request in the outbox: where it goes, its encoded entry, its waiter."""
 
 
 class Dispatcher:
@@ -236,13 +225,49 @@ class Dispatcher:
                 self._admitted(admission, data, fut, error)
             return
         groups: dict[tuple[str, str, int], list[Pending]] = {}
+        large: list[Pending] = []
         for item in batch:
             a = item[0]
-            groups.setdefault((a.stream, a.rows_key, a.max_rows), []).append(item)
+            if len(item[1]) > LARGE_ENTRY_BYTES:
+                large.append(item)
+            else:
+                groups.setdefault((a.stream, a.rows_key, a.max_rows), []).append(item)
+        handlers: list[LinkHandler] = [partial(self._group_admitted, g) for g in groups.values()]
+        handlers += [partial(self._reserved, item) for item in large]
         writer = self._writer
-        writer.write(writer.prepare([_admit("EVALSHA", REQUEST_ADMIT.sha, group)
-                                     for group in groups.values()]),
-                     [partial(self._group_admitted, group) for group in groups.values()])
+        writer.write(writer.prepare(
+            [admit_command("EVALSHA", REQUEST_ADMIT.sha, group) for group in groups.values()]
+            + [reserve_command(a) for a, _, _ in large]), handlers)
+
+    def _reserved(self, item: Pending, reply: Any) -> None:
+        """A large request's rows reserved (or refused): append its entry. Should the API
+        die before the ``XADD``, the rows stay counted without an entry until the
+        inference processes' reconciler (workers/reconcile.py) sets the counter to the
+        streams' rows."""
+        admission, data, fut = item
+        if not isinstance(reply, int) or reply < 0:
+            self._admitted(admission, data, fut, [reply, b""] if isinstance(reply, int) else reply)
+        elif fut.done() or self._writer is None:  # nobody waits, or the link is gone
+            self._give_back(admission)
+            self._admitted(admission, data, fut, ConnectionError("lost the connection"))
+        else:
+            self._writer.write(self._writer.prepare([append_command(admission, data)]),
+                               [partial(self._appended, item, reply)])
+
+    def _appended(self, item: Pending, waiting: int, reply: Any) -> None:
+        admission, data, fut = item
+        if isinstance(reply, OSError | RespError):
+            self._give_back(admission)
+            self._admitted(admission, data, fut, reply)
+        else:
+            self._admitted(admission, data, fut, [waiting, reply])
+
+    def _give_back(self, admission: Admission) -> None:
+        """Release rows reserved for an entry that was never appended (best effort: the
+        reconciler corrects a counter this misses)."""
+        if self._writer is not None:
+            self._writer.write(self._writer.prepare([
+                ("DECRBY", admission.rows_key, admission.rows)]), [_given_back])
 
     def _group_admitted(self, group: list[Pending], reply: Any) -> None:
         """One stream's share of a write admitted: each request's own answer in turn."""
@@ -254,7 +279,7 @@ class Dispatcher:
             # got to them.
             live = [item for item in group if not item[2].done()]
             if live:
-                self._writer.write(self._writer.prepare([_admit("EVAL", REQUEST_ADMIT.text, live)]),
+                self._writer.write(self._writer.prepare([admit_command("EVAL", REQUEST_ADMIT.text, live)]),
                                    [partial(self._group_admitted, live)])
             return
         if isinstance(reply, list) and len(reply) == len(group):
@@ -367,18 +392,14 @@ class Dispatcher:
             fut.set_result(reply)
 
 
-def _admit(verb: str, script_ref: str, group: list[Pending]) -> tuple[Any, ...]:
-    """The admission of ``group`` (requests for one stream) as one script call."""
-    first = group[0][0]
-    args: list[Any] = [verb, script_ref, 2, first.rows_key, first.stream, first.max_rows]
-    for admission, data, _ in group:
-        args += (admission.rows, data)
-    return tuple(args)
-
-
 def _withdrawn(reply: Any) -> None:
     if isinstance(reply, OSError | RespError):
         log.warning("could not withdraw a request whose client left: %s", reply)
+
+
+def _given_back(reply: Any) -> None:
+    if isinstance(reply, OSError | RespError):
+        log.warning("could not release the rows of a request never appended: %s", reply)
 
 
 def _expire(fut: asyncio.Future[Reply], timeout_s: float) -> None:
