@@ -9,8 +9,9 @@
 Each call is an ordinary request of the called model: admitted into its stream against
 its row limit, batched with its other requests, answered onto the inference process's
 own reply list (workers/model_calls.py). It carries the calling batch's deadline (the
-earliest of its rows', or sooner with ``timeout_s``) and priority (the most urgent of its
-rows'), so a call never outlives the requests that made it. An error of the called model
+earliest of its requests', or sooner with ``timeout_s``) and priority (the most urgent of
+its requests'), or those of the requests holding the ``rows`` it serves, so a call never
+outlives the requests that made it. An error of the called model
 is raised in ``predict`` as :class:`~batching.errors.ModelCallFailed` (also of the
 error's own type); uncaught, it fails the batch as any model error does.
 
@@ -45,15 +46,44 @@ class Caller(Protocol):
              priority: int) -> Arrays: ...
 
 
+Span = tuple[int, int, int]
+"""One request of a batch: its rows, deadline (ms since the epoch), priority (1 = highest)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BatchContext:
-    """The batch ``predict`` runs now: its model, deadline (ms since the epoch) and
-    priority (1 = highest), and what makes its calls."""
+    """The batch ``predict`` runs now: its model, its requests in row order, and what
+    makes its calls."""
 
     model: str
-    deadline_ms: int
-    priority: int
+    spans: tuple[Span, ...]
     caller: Caller
+
+    @property
+    def deadline_ms(self) -> int:
+        """The batch's deadline: the earliest of its requests'."""
+        return min(span[1] for span in self.spans)
+
+    @property
+    def priority(self) -> int:
+        """The batch's priority: the most urgent of its requests' (1 is the highest)."""
+        return min(span[2] for span in self.spans)
+
+    def of_rows(self, rows: slice | None) -> tuple[int, int]:
+        """The deadline and priority of the batch's ``rows`` (None: all): the earliest
+        and the most urgent of the requests that hold them."""
+        if rows is None:
+            return self.deadline_ms, self.priority
+        start, stop, _ = rows.indices(sum(span[0] for span in self.spans))
+        held: list[Span] = []
+        first = 0
+        for span in self.spans:
+            if first < stop and first + span[0] > start:
+                held.append(span)
+            first += span[0]
+        if not held:
+            return self.deadline_ms, self.priority
+        return min(span[1] for span in held), min(span[2] for span in held)
 
 
 _current: ContextVar[BatchContext | None] = ContextVar("conveyor_batch", default=None)
@@ -77,16 +107,6 @@ def current() -> BatchContext:
     return context
 
 
-def batch_deadline_ms(deadlines: list[int]) -> int:
-    """A batch's deadline: the earliest of its rows'."""
-    return min(deadlines)
-
-
-def batch_priority(priorities: list[int]) -> int:
-    """A batch's priority: the most urgent of its rows' (1 is the highest)."""
-    return min(priorities)
-
-
 def call_deadline_ms(batch_deadline: int, now_ms: float, timeout_s: float | None) -> int:
     """A call's deadline: the batch's, or ``timeout_s`` from now when that is sooner."""
     if timeout_s is None:
@@ -106,8 +126,10 @@ def call_request(config: ModelConfig, inputs: Mapping[str, npt.NDArray[Any]], re
 
 
 def infer(model: str, inputs: Mapping[str, npt.NDArray[Any]], *,
-          timeout_s: float | None = None) -> Arrays:
-    """Run ``inputs`` through served model ``model``; its outputs by name.
+          timeout_s: float | None = None, rows: slice | None = None) -> Arrays:
+    """Run ``inputs`` through served model ``model``; its outputs by name. ``rows``: the
+    batch's rows the call serves, whose requests' deadline and priority it carries (None:
+    the whole batch's).
 
     Raises :class:`~batching.errors.ModelCallFailed` when the called model answers an
     error, or the call cannot be made in time; :class:`~batching.errors.ModelFailure` for
@@ -117,11 +139,12 @@ def infer(model: str, inputs: Mapping[str, npt.NDArray[Any]], *,
     if model == context.model:
         raise ModelFailure(f"model {model!r} called itself from predict: refused (the batch "
                            "would wait for itself)")
-    deadline = call_deadline_ms(context.deadline_ms, time.time() * 1000.0, timeout_s)
-    return context.caller.call(model, inputs, deadline, context.priority)
+    deadline_ms, priority = context.of_rows(rows)
+    deadline = call_deadline_ms(deadline_ms, time.time() * 1000.0, timeout_s)
+    return context.caller.call(model, inputs, deadline, priority)
 
 
 async def async_infer(model: str, inputs: Mapping[str, npt.NDArray[Any]], *,
-                      timeout_s: float | None = None) -> Arrays:
+                      timeout_s: float | None = None, rows: slice | None = None) -> Arrays:
     """:func:`infer` awaited: several run at once under ``asyncio.gather``."""
-    return await asyncio.to_thread(infer, model, inputs, timeout_s=timeout_s)
+    return await asyncio.to_thread(infer, model, inputs, timeout_s=timeout_s, rows=rows)

@@ -47,8 +47,13 @@ class Recorder:
 
 
 def test_a_batch_carries_its_earliest_deadline_and_most_urgent_priority() -> None:
-    assert bls.batch_deadline_ms([5000, 3000, 4000]) == 3000
-    assert bls.batch_priority([3, 1, 2]) == 1
+    context = bls.BatchContext("m", ((2, 5000, 3), (1, 3000, 2), (3, 4000, 1)), Recorder())
+    assert (context.deadline_ms, context.priority) == (3000, 1)
+    assert context.of_rows(None) == (3000, 1)
+    assert context.of_rows(slice(0, 2)) == (5000, 3)  # rows of the first request only
+    assert context.of_rows(slice(1, 3)) == (3000, 2)
+    assert context.of_rows(slice(5, 6)) == (4000, 1)
+    assert context.of_rows(slice(-1, None)) == (4000, 1)
     assert bls.call_deadline_ms(3000, 1000.0, None) == 3000
     assert bls.call_deadline_ms(3000, 1000.0, 0.5) == 1500  # its own timeout is sooner
     assert bls.call_deadline_ms(3000, 1000.0, 10.0) == 3000  # never later than the batch's
@@ -70,7 +75,7 @@ def test_infer_works_inside_predict_only_and_never_calls_its_own_model() -> None
     with pytest.raises(RuntimeError, match="inside a served model's predict"):
         bls.infer("twice", {"x": np.ones((1, 4), np.float32)})
     caller = Recorder()
-    with bls.batch(bls.BatchContext("caller", 9_999_999_999_999, 2, caller)):
+    with bls.batch(bls.BatchContext("caller", ((1, 9_999_999_999_999, 2),), caller)):
         with pytest.raises(ModelFailure, match="'caller' called itself"):
             bls.infer("caller", {"x": np.ones((1, 4), np.float32)})
         out = bls.infer("twice", {"x": np.ones((1, 4), np.float32)}, timeout_s=1.0)
@@ -89,10 +94,14 @@ def test_async_calls_run_at_once_in_the_batch_context() -> None:
         return list(await asyncio.gather(bls.async_infer("a", {"x": x}),
                                          bls.async_infer("b", {"x": x})))
 
-    with bls.batch(bls.BatchContext("caller", 5000, 1, caller)):
+    async def per_row() -> bls.Arrays:
+        return await bls.async_infer("c", {"x": x}, rows=slice(1, 2))
+
+    with bls.batch(bls.BatchContext("caller", ((1, 5000, 1), (1, 8000, 3)), caller)):
         answers = asyncio.run(both())
+        asyncio.run(per_row())
     assert [a["y"][0, 0] for a in answers] == [2.0, 2.0]
-    assert sorted(caller.calls) == [("a", 5000, 1), ("b", 5000, 1)]
+    assert sorted(caller.calls) == [("a", 5000, 1), ("b", 5000, 1), ("c", 8000, 3)]
 
 
 def test_a_called_models_error_keeps_its_type_and_names_the_model() -> None:

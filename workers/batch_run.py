@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from batching.bls import BatchContext, Caller, batch_deadline_ms, batch_priority
+from batching.bls import BatchContext, Caller
 from batching.bls import batch as calls_of
 from batching.datatypes import from_numpy
 from batching.envelope import VERSION, Reply, Tensor
@@ -164,10 +164,9 @@ class BatchRunner:
             return {k: np.concatenate([first[k], second[k]]) for k in first}
 
     def _context(self, entries: list[Entry]) -> BatchContext:
-        """The batch the calls of ``predict`` carry: the earliest deadline of ``entries``
-        and the most urgent priority."""
-        return BatchContext(self.name, batch_deadline_ms([e.request.deadline_ms for e in entries]),
-                            batch_priority([e.request.prio for e in entries]), self.calls)
+        """The batch of ``entries``, whose deadlines and priorities ``predict``'s calls carry."""
+        return BatchContext(self.name, tuple((e.rows, e.request.deadline_ms, e.request.prio)
+                                             for e in entries), self.calls)
 
     def _model_for(self, entry: Entry) -> LoadedModel:
         """The loaded version the entry asked for (a batch holds one version only)."""
