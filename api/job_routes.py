@@ -120,7 +120,7 @@ def jobs_router(service: InferenceService, settings: Settings) -> APIRouter:
             # A job's chunks enter partition 0, against its share of the limit.
             max_queue_rows=config.queue.partition_rows, created_at=time.time(),
             outputs=parsed.outputs, callback_url=await _callback_url(parsed, callback_hosts),
-            owner=_owner(_principal(request)))
+            owner=_owner(_principal(request)), ensemble=plan is not None)
         await _store(record, pack_tensors(parsed.inputs))
         try:
             await asyncio.to_thread(send_job, tasks, record.id)

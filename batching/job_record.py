@@ -78,6 +78,8 @@ class JobRecord:
     owner: str = ""
     """The SHA-256 digest of the API key that submitted the job ("" without keys): only
     that key (or an admin key) sees, lists or cancels it. Never the key itself."""
+    ensemble: bool = False
+    """The model is an ensemble: its chunks go through its steps (batching/job_route.py)."""
     done: int = 0
     started_at: float = 0.0
     finished_at: float = 0.0
@@ -93,7 +95,8 @@ class JobRecord:
             "priority": str(self.priority), "chunk_rows": str(self.chunk_rows),
             "max_queue_rows": str(self.max_queue_rows), "created_at": repr(self.created_at),
             "outputs": orjson.dumps(self.outputs).decode(), "callback_url": self.callback_url,
-            "owner": self.owner, "done": str(self.done), "started_at": repr(self.started_at),
+            "owner": self.owner, "ensemble": "1" if self.ensemble else "",
+            "done": str(self.done), "started_at": repr(self.started_at),
             "finished_at": repr(self.finished_at), "error": self.error,
         }
 
@@ -106,6 +109,7 @@ class JobRecord:
             chunk_rows=int(text["chunk_rows"]), max_queue_rows=int(text["max_queue_rows"]),
             created_at=float(text["created_at"]), outputs=orjson.loads(text["outputs"]),
             callback_url=text.get("callback_url", ""), owner=text.get("owner", ""),
+            ensemble=text.get("ensemble") == "1",
             done=int(text.get("done", 0)),
             started_at=float(text.get("started_at", 0)),
             finished_at=float(text.get("finished_at", 0)), error=text.get("error", ""),

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import shutil
+import time
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
+import redis
 
 from batching.config import ConfigError
 from batching.envelope import Tensor
+from batching.job_record import JobRecord, JobState, pack_tensors
 from batching.job_route import JobStep, read_route
-from tests.procs import ROOT
+from batching.keys import Keys
+from batching.settings import Settings
+from tests.procs import ROOT, RedisServer
 from tests.protocol_stack import PROTOCOL_MODELS
+from workers.job_runner import JobRunner
 
 MODELS = ROOT / "tests" / "ensemble_models"
 
@@ -49,3 +58,20 @@ def test_a_model_is_one_step_and_an_ensemble_its_steps_in_order(repository: Path
 def test_a_conditional_ensemble_has_no_route(repository: Path) -> None:
     with pytest.raises(ConfigError, match="'classify' is conditional"):
         read_route(repository, "pipeline", 1, 100, [])
+
+
+def test_a_job_on_an_ensemble_the_job_worker_cannot_read_fails_naming_it(
+        redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    record = JobRecord(id=uuid.uuid4().hex, model="add_sub_twice", state=JobState.PENDING,
+                       total=2, priority=1, chunk_rows=2, max_queue_rows=100,
+                       created_at=time.time(), ensemble=True)
+    client.set(keys.job_input(record.id), pack_tensors([tensor("INPUT0", 1), tensor("INPUT1", 2)]))
+    client.hset(keys.job(record.id), mapping=cast(Mapping[Any, str], record.to_hash()))
+    runner = JobRunner(client, keys, Settings(redis_url=redis_server.url,
+                                              model_repository=tmp_path),
+                       record, lambda _done, _total: None, lambda: False)
+    assert runner.acquire() and runner.start() is JobState.PENDING
+    assert runner.run() is JobState.FAILED
+    assert runner.error == ("ensemble 'add_sub_twice' is not in the job worker's repository "
+                            "(CONVEYOR_MODEL_REPOSITORY)")
+    assert client.xlen(keys.queue("add_sub_twice", 1)) == 0  # nothing sent where none reads

@@ -178,6 +178,9 @@ class JobRunner:
                                      self.record.outputs)
         except (ConfigError, ConveyorError) as exc:
             raise JobFailed(f"model {self.record.model!r} cannot run: {exc}") from None
+        if self.record.ensemble and self._requests.route.steps[0].inputs is None:
+            raise JobFailed(f"ensemble {self.record.model!r} is not in the job worker's "
+                            "repository (CONVEYOR_MODEL_REPOSITORY)")
         data = self.client.get(self.keys.job_input(self.record.id))
         if not isinstance(data, bytes):
             raise JobFailed("the job's inputs are gone (expired)")
