@@ -70,7 +70,7 @@ def test_a_called_model_past_the_deadline_answers_504_and_frees_the_caller(
     # The caller's predict gave up at the deadline: its next request is not held 4 s.
     out = outputs(infer(stack, "caller", np.ones((1, 4), np.float32)))
     np.testing.assert_array_equal(out["y"], np.full((1, 4), 2))
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 3.5  # held, it would answer after sleepy: 4 s
 
 
 def test_a_call_of_itself_is_refused_and_a_called_failure_names_the_model(

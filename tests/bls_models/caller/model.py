@@ -6,6 +6,7 @@ model's), "async" two at once (``y`` their sum); ``prio`` is ``twice``'s (0 othe
 """
 
 import asyncio
+from typing import Any
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from batching.bls import async_infer, infer
 
 
 class Model:
-    def __init__(self, config: dict, device: str) -> None:
+    def __init__(self, config: dict[str, Any], device: str) -> None:
         self.name = config["name"]
         self.mode = config["parameters"]["mode"]
 

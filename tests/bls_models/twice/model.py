@@ -1,13 +1,15 @@
 """Called model: ``y = 2x`` and, per row, the priority its batch ran at; fails on a row
 whose first value is -3."""
 
+from typing import Any
+
 import numpy as np
 
 from batching.bls import current
 
 
 class Model:
-    def __init__(self, config: dict, device: str) -> None:
+    def __init__(self, config: dict[str, Any], device: str) -> None:
         pass
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
