@@ -172,14 +172,15 @@ class JobRunner:
         """Read what is done already (a resumed job) and the inputs still to send."""
         done = [int(i) for i in self.client.hkeys(self.keys.job_chunks(self.record.id))]
         self._stored = set(done)
+        record = self.record
         try:
-            self._requests.route = read_route(Path(self.settings.model_repository), self.record.model,
-                                     self.record.priority, self.record.max_queue_rows,
-                                     self.record.outputs)
+            self._requests.route = read_route(Path(self.settings.model_repository), record.model,
+                                              record.priority, record.max_queue_rows,
+                                              record.outputs)
         except (ConfigError, ConveyorError) as exc:
-            raise JobFailed(f"model {self.record.model!r} cannot run: {exc}") from None
-        if self.record.ensemble and self._requests.route.steps[0].inputs is None:
-            raise JobFailed(f"ensemble {self.record.model!r} is not in the job worker's "
+            raise JobFailed(f"model {record.model!r} cannot run: {exc}") from None
+        if record.ensemble and self._requests.route.steps[0].inputs is None:
+            raise JobFailed(f"ensemble {record.model!r} is not in the job worker's "
                             "repository (CONVEYOR_MODEL_REPOSITORY)")
         data = self.client.get(self.keys.job_input(self.record.id))
         if not isinstance(data, bytes):
@@ -238,8 +239,8 @@ class JobRunner:
     def _ready_instances(self) -> int:
         """Inference processes of the model with a fresh heartbeat in state ready."""
         now = time.time()
-        beats = [json.loads(raw) for raw in
-                 self.client.hgetall(self.keys.workers(self._requests.route.steps[0].model)).values()]
+        first = self._requests.route.steps[0].model  # an ensemble's: its first step's
+        beats = [json.loads(raw) for raw in self.client.hgetall(self.keys.workers(first)).values()]
         return sum(b.get("state") == "ready" and now - float(b.get("ts", 0))
                    <= self.settings.heartbeat_stale_s for b in beats)
 
