@@ -70,6 +70,10 @@ class BatchingConfig:
     preferred_batch_sizes: tuple[int, ...] = ()
     latency_target_ms: float = 50.0
     adaptive: bool = True
+    overload: str = "lifo"
+    """Past capacity, the adaptive policy's order (docs/batching.md): ``lifo``, newest
+    first and what cannot make the latency target answered at once; ``fifo``, the order
+    of deadlines and only what cannot make its own deadline answered at once."""
 
     def __post_init__(self) -> None:
         if self.max_queue_delay_us == UNSET:
@@ -198,7 +202,8 @@ class ModelConfig:
             outputs=tuple(_tensor(t) for t in schema.outputs or ()),
             batching=BatchingConfig(queue_delay_us(batching),
                                     tuple(batching.preferred_batch_sizes),
-                                    batching.latency_target_ms, batching.adaptive),
+                                    batching.latency_target_ms, batching.adaptive,
+                                    batching.overload),
             queue=QueueConfig(queue.priority_levels, queue.default_priority,
                               queue.max_queue_rows, queue.default_timeout_ms,
                               queue.max_priority_wait_ms, queue.partitions),

@@ -10,7 +10,7 @@ import difflib
 import math
 import re
 import reprlib
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -89,6 +89,7 @@ class BatchingSchema(_Section):
     preferred_batch_sizes: list[Annotated[int, Field(ge=1, le=INT32_MAX)]] = []
     latency_target_ms: _Positive = 50.0
     adaptive: bool = True
+    overload: Literal["lifo", "fifo"] = "lifo"
 
 
 class QueueSchema(_Section):
