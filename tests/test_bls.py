@@ -4,14 +4,17 @@ batch's context, the deadline and priority arithmetic, the entry, the shared rep
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+import redis
 
 from batching import bls
 from batching.config import ModelConfig
@@ -25,8 +28,11 @@ from batching.errors import (
     call_failed,
 )
 from batching.former import Batch, Entry, Layout
+from batching.keys import Keys
+from batching.settings import Settings
+from tests.procs import ROOT, RedisServer
 from workers.batch_run import BatchRunner, Outcome
-from workers.model_calls import ReplyBox
+from workers.model_calls import ModelCalls, ReplyBox
 
 CONFIG = ModelConfig.from_dict("twice", {
     "backend": "python", "max_batch_size": 8, "queue": {"priority_levels": 2},
@@ -167,3 +173,28 @@ def test_one_pop_at_a_time_serves_every_waiting_call() -> None:
     assert got == {str(i): str(i) for i in range(4)}
     with pytest.raises(DeadlineExceeded, match="batch's deadline"):
         box.wait(pop, "late", int(time.time() * 1000) + 50)
+
+
+def test_a_call_enters_the_called_models_stream_and_waits_only_until_its_deadline(
+        redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "tests" / "bls_models" / "twice", tmp_path / "twice")
+    config = tmp_path / "twice" / "config.yaml"
+    config.write_text(config.read_text().replace("priority_levels: 3",
+                                                 "priority_levels: 3\n  max_queue_rows: 4"))
+    calls = ModelCalls(Settings(redis_url=redis_server.url, model_repository=tmp_path,
+                                key_prefix=keys.prefix), client)
+    x = np.ones((3, 4), np.float32)
+    deadline = int(time.time() * 1000) + 300
+    with pytest.raises(DeadlineExceeded) as late:  # no worker reads twice here
+        calls.call("twice", {"x": x}, deadline, 2)
+    assert isinstance(late.value, ModelCallFailed) and late.value.model == "twice"
+    assert time.time() * 1000 - deadline < 1000
+    [(_, fields)] = client.xrange(keys.queue("twice", 2))
+    entry = Request.decode(fields[b"d"])
+    assert (entry.deadline_ms, entry.prio, entry.reply) == (deadline, 2, calls.reply_key)
+    with pytest.raises(Overloaded, match="max_queue_rows"):  # 3 rows wait of 4
+        calls.call("twice", {"x": x}, deadline + 10_000, 2)
+    with pytest.raises(ModelFailure, match="'missing' called from predict failed: it cannot"):
+        calls.call("missing", {"x": x}, deadline + 10_000, 2)
+    with pytest.raises(ModelFailure, match="FP32"):  # the caller's mistake, not its client's
+        calls.call("twice", {"x": x.astype(np.float64)}, deadline + 10_000, 2)

@@ -29,7 +29,8 @@ from batching.envelope import Reply, Request
 from batching.errors import (
     ConveyorError,
     DeadlineExceeded,
-    ModelCallFailed,
+    InvalidInput,
+    ModelFailure,
     ModelNotFound,
     Overloaded,
     Unavailable,
@@ -118,19 +119,22 @@ class ModelCalls:
     def call(self, model: str, inputs: Mapping[str, npt.NDArray[Any]], deadline_ms: int,
              priority: int) -> Arrays:
         """Run ``inputs`` through ``model`` by ``deadline_ms``; raises
-        :class:`ModelCallFailed` (of the error's own type) naming ``model``."""
+        :class:`ModelCallFailed` (of the error's own type) naming ``model``. A call the
+        calling model got wrong (an unknown model, inputs off its signature) is a
+        :class:`ModelFailure` of the caller, not its client's error."""
+        now_ms = time.time() * 1000.0
         try:
             config = self._config(model)
-            now_ms = time.time() * 1000.0
-            if deadline_ms <= now_ms:
-                raise DeadlineExceeded("the batch's deadline passed before the call")
             request = call_request(config, inputs, format(next(self._ids), "x"),
                                    self.reply_key, deadline_ms,
                                    priority or config.queue.default_priority, now_ms)
+        except (ConfigError, ModelNotFound, InvalidInput) as exc:
+            raise call_failed(model, ModelFailure.code, f"it cannot be called: {exc}") from exc
+        try:
+            if deadline_ms <= now_ms:
+                raise DeadlineExceeded("the batch's deadline passed before the call")
             self._enter(config, request)
             reply = self._box.wait(self._pop, request.id, deadline_ms)
-        except ModelCallFailed:
-            raise
         except ConveyorError as exc:
             raise call_failed(model, exc.code, exc.message) from exc
         except REDIS_UNREACHABLE as exc:
@@ -144,10 +148,7 @@ class ModelCalls:
         held = self._configs.get(model)
         if held is not None and now < held[0]:
             return held[1]
-        try:
-            config = load_model_config(require_folder(self._root, model))
-        except ConfigError as exc:
-            raise ModelNotFound(f"it cannot be called: {exc}") from None
+        config = load_model_config(require_folder(self._root, model))
         self._configs[model] = (now + CONFIG_TTL_S, config)
         return config
 
