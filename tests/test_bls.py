@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -189,7 +189,8 @@ def test_a_call_enters_the_called_models_stream_and_waits_only_until_its_deadlin
         calls.call("twice", {"x": x}, deadline, 2)
     assert isinstance(late.value, ModelCallFailed) and late.value.model == "twice"
     assert time.time() * 1000 - deadline < 1000
-    [(_, fields)] = client.xrange(keys.queue("twice", 2))
+    [(_, fields)] = cast(list[tuple[bytes, dict[bytes, bytes]]],
+                         client.xrange(keys.queue("twice", 2)))
     entry = Request.decode(fields[b"d"])
     assert (entry.deadline_ms, entry.prio, entry.reply) == (deadline, 2, calls.reply_key)
     with pytest.raises(Overloaded, match="max_queue_rows"):  # 3 rows wait of 4
