@@ -5,7 +5,7 @@ request (any number of rows, up to ``job_max_bytes`` of body), stores the job in
 and sends its Celery task to ``cv.jobs``; ``GET`` reads the job's record or result;
 ``DELETE`` cancels it; ``GET /v1/jobs`` lists the most recent ones. The job's chunks
 then travel the same streams as interactive requests, at the job's priority (by default
-the model's lowest).
+the model's lowest); a job on an ensemble, each step model's streams in turn.
 
 With API keys, a job belongs to the key that submitted it (the job stores the key's
 digest): another key, unless it is an admin key, gets a 404 for it, as for a job that
