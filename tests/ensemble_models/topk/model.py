@@ -1,10 +1,12 @@
 """Pipeline step 3: the indices and values of the three largest logits, largest first."""
 
+from typing import Any
+
 import numpy as np
 
 
 class Model:
-    def __init__(self, config: dict, device: str) -> None:
+    def __init__(self, config: dict[str, Any], device: str) -> None:
         pass
 
     def predict(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
