@@ -27,7 +27,8 @@ MODEL = device_model.NAME
 TARGET_MS = 50.0
 TIMEOUT_US = 1_000_000
 PAST = 1.4
-"""Offered load, as a share of the closed-loop capacity."""
+"""Offered load, as a share of the closed-loop capacity, at first (raised while less than a
+tenth is refused: a host that got quicker than measured)."""
 SLACK_MS = 25.0
 """What the client's own path (the generator, the API on a busy host) may add to the
 target when judging the served requests' p99."""
@@ -46,10 +47,15 @@ def test_past_capacity_answers_in_time_or_refuses_fast(tmp_path: Path) -> None:
     with conveyor(MODEL, tmp_path / "repo", tmp_path, body) as stack:
         closed_rps(stack, 64, 2.0)  # warm-up: a cold API process lags
         capacity = closed_rps(stack, 64, 2.0)[0]
-        times = open_loop.poisson(PAST * capacity, 4.0, 11)
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            out = runner.run(open_loop.run(stack.host, stack.port, stack.path, stack.body,
-                                           times, 256, warmup_s=1.0))
+        share = PAST
+        for _ in range(3):  # a host that got quicker than measured: the load rises
+            times = open_loop.poisson(share * capacity, 4.0, 11)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                out = runner.run(open_loop.run(stack.host, stack.port, stack.path, stack.body,
+                                               times, 256, warmup_s=1.0))
+            if out.count(503) + out.count(504) > 0.1 * out.sent:
+                break
+            share *= 1.5
     served = [ms for s, ms in zip(out.statuses, out.latencies_ms, strict=True) if s == 200]
     refused = [ms for s, ms in zip(out.statuses, out.latencies_ms, strict=True)
                if s in (503, 504)]
@@ -57,7 +63,7 @@ def test_past_capacity_answers_in_time_or_refuses_fast(tmp_path: Path) -> None:
            f"p99 {percentile(served, 0.99):.1f} ms; {len(refused)} refused, p99 " \
            f"{percentile(refused, 0.99):.1f} ms; {out.lost} lost"
     assert len(refused) > 0.1 * out.sent, f"never past capacity: {seen}"
-    assert len(served) > 0.5 * out.sent / PAST, seen
+    assert len(served) > 0.5 * out.sent / share, seen
     assert percentile(served, 0.99) <= TARGET_MS + SLACK_MS, seen
     assert percentile(refused, 0.99) <= TARGET_MS + SLACK_MS, seen
     assert len(served) + len(refused) + out.lost == out.sent and out.lost == 0, seen
