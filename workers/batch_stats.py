@@ -13,7 +13,9 @@ def batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: floa
                     finished: float, phase_ns: list[int]) -> dict[str, int]:
     """Triton-style statistics of one executed batch, added to the model's stats hash.
 
-    Like Triton, each request in the batch is charged the batch's compute phases."""
+    Like Triton, each request in the batch is charged the batch's compute phases. Counters
+    that add nothing (``fail_*`` of a batch that all succeeded) are left out: each is a
+    ``HINCRBY`` of Redis's, and the stats' readers take a missing field for 0."""
     exec_ns = int((finished - started) * 1e9)
     ok = [e for e, reply in answered if reply.ok]
     failed = [e for e, reply in answered if not reply.ok]
@@ -39,4 +41,4 @@ def batch_counters(answered: list[tuple[Entry, Reply]], rows: int, started: floa
         counters[f"{phase}_count"] = n
         counters[f"{phase}_ns"] = ns * n
         counters[f"batch:{rows}:{phase}_ns"] = ns
-    return counters
+    return {name: amount for name, amount in counters.items() if amount}
