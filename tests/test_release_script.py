@@ -7,6 +7,7 @@ import redis
 
 from batching.keys import GROUP, Keys
 from batching.lua import script
+from workers.streams import RELEASE_LUA, STATS_LUA
 
 RELEASE = script("release").text
 
@@ -46,3 +47,10 @@ def test_a_batch_larger_than_a_chunk_is_released_whole(client: redis.Redis, keys
     assert client.eval(RELEASE, 2, rows_key, stream, GROUP, *args) == 1200
     assert int(client.get(rows_key) or 0) == 0
     assert client.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_a_worker_sends_the_scripts_without_their_comments() -> None:
+    """Redis hashes a script's whole text with each EVAL."""
+    for sent, name in ((RELEASE_LUA, "release"), (STATS_LUA, "stats")):
+        assert b"--" not in sent
+        assert len(sent) < len(script(name).text) * 3 // 4
