@@ -31,9 +31,11 @@ import numpy.typing as npt
 
 from batching.policy import Decision, Policy
 from batching.shedding import rows_in_time
+from workers.expiry import OVERLOAD_READ
 
 POLL_S = 0.001
 """The inference loop's longest local sleep between reads while a policy waits."""
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,50 +196,95 @@ class ClosedStream:
 Stream = OpenStream | ClosedStream
 
 
+@dataclass(slots=True)
+class Standing:
+    """Past capacity as workers/expiry.py judges it, for :func:`run_loop`'s ``target_s``:
+    every read full for as long as the target with the oldest waiting longer than it,
+    until the queue has stayed drained as long."""
+
+    target_s: float
+    on: bool = False
+    _full_since: float | None = None
+    _drained_since: float | None = None
+
+    def read(self, full: bool, oldest_wait_s: float, now: float) -> None:
+        if not full:
+            self._full_since = None
+        elif self._full_since is None:
+            self._full_since = now
+        elif now - self._full_since >= self.target_s and oldest_wait_s >= self.target_s:
+            self.on, self._drained_since = True, None
+
+    def left(self, waiting: int, now: float) -> None:
+        if waiting or self._full_since is not None:
+            self._drained_since = None
+        elif self._drained_since is None:
+            self._drained_since = now
+        elif now - self._drained_since >= self.target_s:
+            self.on = False
+
+
 def run_loop(arrivals: Sequence[float] | Stream, device: Device, policy: Policy, max_rows: int,
-             timeout_s: float = 30.0, poll_s: float = POLL_S, overhead_s: float = 0.0) -> Outcome:
+             timeout_s: float = 30.0, poll_s: float = POLL_S, overhead_s: float = 0.0,
+             target_s: float | None = None) -> Outcome:
     """The inference loop with ``policy``: read, answer the expired and those the policy
     says cannot finish in time (without running them), decide, run or sleep. Each batch
     costs ``overhead_s`` beyond the device (reading, decoding, answering), and the policy
-    observes the whole."""
+    observes the whole. With ``target_s`` (the adaptive policy's ``batching.overload:
+    lifo``) a request is due by the sooner of its timeout and the target, and past
+    capacity (:class:`Standing`) the loop reads up to ``OVERLOAD_READ`` batches, serves the
+    newest first and answers at once what cannot be answered by its due time."""
     stream = arrivals if isinstance(arrivals, OpenStream | ClosedStream) else OpenStream(arrivals)
     done: list[float] = []
     pending: deque[tuple[float, float]] = deque()  # (arrival, seen), oldest first
     out = Outcome(np.empty(0))
     now = 0.0
     expired = 0
+    standing = None if target_s is None else Standing(target_s)
+    due = timeout_s if target_s is None else min(timeout_s, target_s)
     while True:
         if not pending:  # nothing read: the blocking read wakes at the next arrival
             nxt = stream.next_arrival()
             if nxt is None:
                 break
             now = max(now, nxt)
-        room = max_rows - len(pending)
+        lifo = standing is not None and standing.on
+        room = max_rows * (OVERLOAD_READ if lifo else 1) - len(pending)
         got = stream.read(now, room)
         backlog = len(got) >= room
         if got:
             pending.extend((t, now) for t in got)
             policy.observe_arrivals(len(got), now)
-        threshold, in_time = now, max_rows
-        if backlog and policy.shed_horizon_s(1) > 0.0:
-            in_time, threshold = rows_in_time(((t + timeout_s, 1) for t, _ in pending), now,
-                                              policy.shed_horizon_s, max_rows)
+        if standing is not None:
+            standing.read(backlog, now - pending[0][0] if pending else 0.0, now)
+        cut, threshold, in_time = timeout_s, now, max_rows
+        if (backlog if standing is None else standing.on) and policy.shed_horizon_s(1) > 0.0:
+            for cut in dict.fromkeys((due, timeout_s)):  # the target, else deadlines only
+                in_time, threshold = rows_in_time(((t + cut, 1) for t, _ in pending), now,
+                                                  policy.shed_horizon_s, max_rows)
+                if in_time:
+                    break
             in_time = in_time or max_rows
-        while pending and pending[0][0] + timeout_s <= threshold:
+        while pending and pending[0][0] + cut <= threshold:
             pending.popleft()  # answered with a timeout, never run
             expired += 1
         if not pending:
+            if standing is not None:
+                standing.left(0, now)
             continue
-        decision: Decision = policy.decide(now, len(pending), pending[0][1], pending[0][0] + timeout_s)
+        decision: Decision = policy.decide(now, len(pending), pending[0][1], pending[0][0] + due)
         if decision.dispatch:
             rows = min(len(pending), decision.max_rows or max_rows, in_time)
             took = device.seconds(rows) + overhead_s
             now += took
-            done.extend(now - pending.popleft()[0] for _ in range(rows))
+            take = pending.pop if standing is not None and standing.on else pending.popleft
+            done.extend(now - take()[0] for _ in range(rows))
             policy.observe_batch(rows, took, now)
             stream.answered(now, rows)
             out.batches.append(rows)
             out.reasons[decision.reason] += 1
+            if standing is not None:
+                standing.left(len(pending), now)
         else:
             now += max(min(decision.wait_s, poll_s), 1e-6)
     out.latency = np.concatenate([np.asarray(done), np.full(expired, math.inf)])

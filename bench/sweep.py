@@ -186,15 +186,16 @@ def make_policy(setting: Setting, target_s: float, rows: int) -> Policy:
 
 
 def predict(setting: Setting, times: list[float], seconds: float, device: Device, path_s: float,
-            target_s: float, rows: int) -> float:
+            target_s: float, rows: int, timeout_s: float) -> float:
     """The simulator's goodput (req/s) for the same send times over all ``seconds``: a
     request reaches the worker half the fixed path after it is sent, its deadline stays the
-    API's (sent + target), and its answer counts if the worker's latency plus the whole
-    fixed path is within the target."""
+    API's (sent + timeout; the adaptive policy's due time sent + target), and its answer
+    counts if the worker's latency plus the whole fixed path is within the target."""
     policy = make_policy(setting, target_s, rows)
     policy.observe_path(path_s)  # as the API reports it to the real stack's policy
     out = run_loop([t + path_s / 2 for t in times], device, policy, rows,
-                   timeout_s=target_s - path_s / 2)
+                   timeout_s=timeout_s - path_s / 2,
+                   target_s=target_s - path_s / 2 if setting.adaptive else None)
     return float((out.latency + path_s <= target_s).sum()) / seconds
 
 
@@ -216,7 +217,7 @@ def run_slice(stack: Stack, setting: Setting, pattern: str, share: float, capaci
     times = ARRIVALS[pattern](rate, seconds, seed)
     out = drive(stack, times, args.warmup_s, connections_for(rate))
     return Slice(out, predict(setting, times, seconds, device, path_s, args.target_ms / 1e3,
-                              max_rows(stack.model)))
+                              max_rows(stack.model), args.timeout_ms / 1e3))
 
 
 def percentile(ordered: list[float], q: float) -> float:

@@ -51,7 +51,8 @@ KEPT = 0.9
 GAIN = 1.5
 """Past capacity, it is at least this many times the fixed window's: more than a tie that
 noise could tip (5-6x measured on a 2-core host; 200x held to 0.6 of a core)."""
-ARGS = argparse.Namespace(point_s=3.0, warmup_s=1.0, target_ms=TARGET_MS, max_lag_ms=1e9)
+ARGS = argparse.Namespace(point_s=3.0, warmup_s=1.0, target_ms=TARGET_MS, timeout_ms=TARGET_MS,
+                          max_lag_ms=1e9)
 DEVICE = Device("unused", 0.001)
 FIXED, ADAPTIVE = Setting(False, 0), Setting(True, 0)
 

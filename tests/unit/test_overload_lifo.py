@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
+from batching.adaptive import AdaptivePolicy
 from batching.config import ModelConfig
 from batching.config_schema import ConfigError
 from batching.envelope import Request
 from batching.former import BatchFormer, Entry
 from batching.policy import FixedWindow
+from bench.open_loop import poisson
+from bench.scheduler_sim import Device, run_loop
 from tests.unit.test_shedding import REPLY, make_loop, request, teach
 
 NOW = 1_000_000.0
@@ -175,3 +179,20 @@ def test_a_full_queue_whose_requests_still_make_the_target_is_not_past_capacity(
     loop.former.add([Entry("s", "2", old, now)])
     expiry.read(8, 8, now)
     assert expiry.overloaded
+
+
+def test_in_the_simulator_newest_first_keeps_the_capacity_where_fifo_loses_it() -> None:
+    """The device model of bench/device_model.py, every request with a 1 s timeout."""
+    device = Device("device", 0.008, 0.0005)
+    capacity = device.capacity(16)
+    for share in (1.1, 1.25):
+        arrivals = poisson(share * capacity, 4.0, seed=3)
+        kept = {}
+        for target in (0.05, None):
+            policy = AdaptivePolicy(16, 0.02, latency_target_s=0.05)
+            policy.observe_path(0.002)
+            out = run_loop(arrivals, device, policy, 16, timeout_s=1.0, target_s=target)
+            kept[target] = out.goodput(0.05) * share
+            if target is not None:
+                assert np.percentile(out.latency[np.isfinite(out.latency)], 50) < 0.035
+        assert kept[0.05] >= 0.85 and kept[None] < 0.2, (share, kept)
