@@ -215,10 +215,12 @@ WITHDRAWN = MetricDef(
     "redis")
 SHED = MetricDef(
     "conveyor_shed_total", "counter", ("model",),
-    "Requests answered at once because a batch could not finish before their deadline",
-    "Requests the adaptive policy answered `504` without running them, past capacity, "
-    "because a batch started then could not have finished before their deadline "
-    "(`shed_count`; [batching.md](batching.md#past-capacity-late-requests-are-answered-at-once)).",
+    "Requests answered at once because a batch could not finish in time",
+    "Requests the adaptive policy answered without running them, past capacity: `504` when "
+    "a batch started then could not have finished before their deadline, `503` "
+    "(`overloaded`) when, with `batching.overload: lifo`, it could not have finished within "
+    "the model's `latency_target_ms` (`shed_count`; "
+    "[batching.md](batching.md#past-capacity-newest-first-and-refused-at-once)).",
     "redis")
 RESTARTS = MetricDef(
     "conveyor_worker_restarts_total", "counter", ("model",),
