@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from api.bytes_endpoint import BytesEndpoint
 from api.main import create_app
 from batching.envelope import Reply, Request, Tensor
 from batching.keys import Keys
@@ -59,3 +60,12 @@ def client(settings: Settings, dispatcher: MemoryDispatcher) -> Iterator[TestCli
     dispatcher.beat("echo")
     with serve(settings, dispatcher) as client:
         yield client
+
+
+@pytest.fixture
+def endpoint() -> Iterator[BytesEndpoint]:
+    """A bytes endpoint on loopback, closed after the test."""
+    started = BytesEndpoint("127.0.0.1")
+    started.start()
+    yield started
+    started.close()

@@ -6,10 +6,8 @@ over in-memory streams."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 
 from api.bytes_endpoint import BytesEndpoint
 from batching.errors import Unavailable
@@ -17,14 +15,6 @@ from batching.tensor_transport import FetchClient
 from tests.unit.test_inference_loop import make_loop, output, replies, request
 from tests.unit.test_tensor_transport import _counting
 from workers.shared_inputs import SharedInputs
-
-
-@pytest.fixture
-def endpoint() -> Iterator[BytesEndpoint]:
-    started = BytesEndpoint("127.0.0.1")
-    started.start()
-    yield started
-    started.close()
 
 
 def test_fetched_inputs_run_and_one_given_up_is_answered_unrun(endpoint: BytesEndpoint) -> None:

@@ -40,14 +40,6 @@ def _later() -> int:
 
 
 @pytest.fixture
-def endpoint() -> Iterator[BytesEndpoint]:
-    started = BytesEndpoint("127.0.0.1")
-    started.start()
-    yield started
-    started.close()
-
-
-@pytest.fixture
 def client() -> Iterator[FetchClient]:
     made = FetchClient(5.0)
     yield made
