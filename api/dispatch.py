@@ -81,6 +81,8 @@ class Dispatcher:
         self._entry_ids: dict[asyncio.Future[Reply], bytes | str] = {}
         """Stream entry ids of admitted requests still waiting: what a withdrawal names."""
         self._outbox: list[Pending] = []
+        self._appends: list[tuple[Pending, int]] = []
+        """Large requests whose rows are reserved, to append in one write this tick."""
         self._pop_command = ("BLMPOP", POP_BLOCK_S, 1, self.reply_key, "LEFT", "COUNT",
                              REPLY_BATCH)
         self._pop_prepared: Any = None
@@ -251,8 +253,20 @@ class Dispatcher:
             self._give_back(admission)
             self._admitted(admission, data, fut, ConnectionError("lost the connection"))
         else:
-            self._writer.write(self._writer.prepare([append_command(admission, data)]),
-                               [partial(self._appended, item, reply)])
+            if not self._appends:
+                asyncio.get_running_loop().call_soon(self._append)
+            self._appends.append((item, reply))
+
+    def _append(self) -> None:
+        """The entries of the large requests reserved this tick, in one write."""
+        appends, self._appends = self._appends, []
+        if self._writer is None:
+            for item, _ in appends:
+                self._appended(item, 0, ConnectionError("lost the connection"))
+            return
+        self._writer.write(self._writer.prepare([append_command(a, data)
+                                                 for (a, data, _), _ in appends]),
+                           [partial(self._appended, item, waiting) for item, waiting in appends])
 
     def _appended(self, item: Pending, waiting: int, reply: Any) -> None:
         admission, data, fut = item

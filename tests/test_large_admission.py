@@ -147,3 +147,25 @@ def test_rows_reserved_by_an_api_that_died_before_appending_are_reconciled(
     assert client.eval(ADMIT_ROWS, 1, rows_key, 100, 4) == 4  # and no XADD after it
     assert RowsReconciler(client, rows_key, streams, 8).run(0.0) == (4, 0)
     assert int(client.get(rows_key) or 0) == 0
+
+
+def test_the_large_requests_reserved_in_one_write_are_appended_in_one(
+        redis_server: RedisServer) -> None:
+    async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
+        writer = dispatcher._writer
+        assert writer is not None
+        prepared: list[list[str]] = []
+        prepare = writer.prepare
+
+        def recording(commands: Any) -> Any:
+            prepared.append([str(c[0]) for c in commands])
+            return prepare(commands)
+
+        writer.prepare = recording  # type: ignore[method-assign]
+        sent = [request(dispatcher) for _ in range(3)]
+        waiting = [asyncio.ensure_future(dispatcher.submit(
+            Admission(STREAM, ROWS, 1, 100), r, 5)) for r in sent]
+        assert {(await serve_one(client)).id for _ in sent} == {r.id for r in sent}
+        assert {r.id for r in await asyncio.gather(*waiting)} == {r.id for r in sent}
+        assert prepared == [["EVAL"] * 3, ["XADD"] * 3]
+    run(redis_server, body)
