@@ -5,8 +5,10 @@ above the rows really waiting turns requests away (503, queue full) although the
 Admission adds an entry and its rows in one step (admit_many.lua), and release.lua
 deletes answered entries and releases the rows of exactly those it deleted, so by itself
 the counter equals the rows of the entries in the streams, across Redis restarts too. What
-can still part them comes from outside: keys evicted or deleted by hand, a restore of
-older data, a worker of an older version releasing in several commands.
+can still part them: keys evicted or deleted by hand, a restore of older data, a worker of
+an older version releasing in several commands, and a large request's two-step admission
+(admit_rows.lua reserves its rows, a plain XADD appends it: api/admission.py) cut between
+its steps by its API process's death, or reconciled between them.
 
 So each inference process recomputes the counter with reconcile.lua every
 :data:`RECONCILE_EVERY_S`, and at once when Redis may have lost data: a consumer group
