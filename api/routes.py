@@ -20,7 +20,7 @@ from api.repository_control import Repository
 from api.service import InferenceService
 from api.stats import statistics
 from batching.config import ModelConfig
-from batching.errors import ConveyorError, InvalidInput, Overloaded, Unavailable
+from batching.errors import ConveyorError, FilesRefused, InvalidInput, Overloaded, Unavailable
 from batching.triton_config import ensemble_config, triton_config
 
 _READY_TYPE = "Invalid value for 'ready': expected a boolean"
@@ -110,9 +110,9 @@ def load_config(parameters: Any) -> str | None:
         raise InvalidInput("'parameters' must be an object")
     files = sorted(k for k in parameters if k.startswith("file:"))
     if files:
-        raise InvalidInput(f"load parameters {files} are not supported: conveyor loads a "
-                           "model's files from its folder in the repository, never from a "
-                           "client")
+        raise FilesRefused(f"failed to poll from model repository: load parameters {files} "
+                           "are not supported: conveyor loads a model's files from its "
+                           "folder in the repository, never from a client")
     config = parameters.get("config")
     if config is not None and not isinstance(config, str):
         raise InvalidInput("load parameter 'config' must be a string holding the model "

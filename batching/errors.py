@@ -154,6 +154,17 @@ class TooManyRegions(ConveyorError):
     grpc_status = "RESOURCE_EXHAUSTED"
 
 
+class FilesRefused(ConveyorError):
+    """A repository load with ``file:`` parameters (model files from the client), which
+    conveyor never takes: 500 / INTERNAL with Triton's "failed to poll from model
+    repository", as Triton answers a load whose files it cannot write (its model-control
+    client examples check that status and text)."""
+
+    code = "files_refused"
+    http_status = 500
+    grpc_status = "INTERNAL"
+
+
 class ModelFailure(ConveyorError):
     """The model raised while running a batch."""
 
@@ -178,7 +189,7 @@ _BY_CODE: dict[str, type[ConveyorError]] = {
     for cls in (ConveyorError, InvalidInput, ModelNotFound, Overloaded, Unavailable,
                 DeadlineExceeded, ModelFailure, ModelControlDisabled, Unauthenticated,
                 PermissionDenied, PayloadTooLarge, RequestTimeout, HeadersTooLarge, Unsupported,
-                AlreadyExists, RegionNotFound, TooManyRegions, MalformedShape)
+                AlreadyExists, RegionNotFound, TooManyRegions, MalformedShape, FilesRefused)
 }
 
 

@@ -163,6 +163,7 @@ def test_every_error_maps_to_a_grpc_status_code() -> None:
         "unauthenticated": 401, "permission_denied": 403, "payload_too_large": 413,
         "model_control_disabled": 503, "request_timeout": 408, "headers_too_large": 431,
         "unsupported": 501, "already_exists": 400, "region_not_found": 404,
-        "too_many_regions": 400, "malformed_shape": 400}
+        "too_many_regions": 400, "malformed_shape": 400,
+        "files_refused": 500}
     for _, name in table.values():
         assert isinstance(grpc.StatusCode[name], grpc.StatusCode)

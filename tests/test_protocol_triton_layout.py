@@ -203,10 +203,12 @@ def test_load_with_a_config_override_changes_the_served_versions(stack: Stack) -
 def test_model_files_from_a_client_are_refused(stack: Stack) -> None:
     http = httpx.post(f"{stack.url}/v2/repository/models/scale/load",
                       json={"parameters": {"config": "{}", "file:1/model.onnx": "AAAA"}})
-    assert http.status_code == 400
+    assert http.status_code == 500  # as Triton: its model-control examples check it
+    assert "failed to poll from model repository" in http.json()["error"]
     assert "never from a client" in http.json()["error"]
     with grpcclient.InferenceServerClient(grpc_url(stack)) as grpc:
         with pytest.raises(InferenceServerException) as caught:
             grpc.load_model("scale", config="{}", files={"file:1/model.onnx": b"\0"})
-        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert caught.value.status() == "StatusCode.INTERNAL"
+        assert "failed to poll from model repository" in caught.value.message()
         assert "never from a client" in caught.value.message()
