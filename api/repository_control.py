@@ -33,9 +33,9 @@ from api.ensemble import Ensembles
 from api.health import WorkerWatch
 from api.periodic import Periodic
 from batching.config import ConfigError, ModelConfig
-from batching.errors import InvalidInput, ModelControlDisabled, Unavailable
+from batching.errors import InvalidInput, ModelControlDisabled, ModelNotFound, Unavailable
 from batching.keys import Keys
-from batching.names import model_folder, require_folder, unknown_model
+from batching.names import model_folder, require_folder, unknown_model, unknown_to_load
 from batching.redis_errors import REDIS_FAILED
 from batching.repository_scan import (
     as_text,
@@ -222,9 +222,12 @@ class Repository:
         JSON form, in place of its configuration file), mark it loaded, and wait until a
         worker serves it, or reports that it failed to load. A failed reload leaves the
         model as it was, its previous configuration recorded again."""
-        folder = self._folder(name)
+        try:
+            folder = self._folder(name)
+        except ModelNotFound:
+            raise unknown_to_load(name) from None
         if not is_model_folder(folder):
-            raise unknown_model(name)
+            raise unknown_to_load(name)
         try:
             override = None if config_json is None else json_config(name, config_json)
             config = await asyncio.to_thread(load_model_config, folder, override)

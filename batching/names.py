@@ -30,6 +30,13 @@ def unknown_model(name: str) -> ModelNotFound:
     return ModelNotFound(f"Request for unknown model: {_shown(name)!r} is not found")
 
 
+def unknown_to_load(name: str) -> ModelNotFound:
+    """A repository load of a name that is not a model of the repository: Triton's "failed
+    to load" (its model-control examples look for it), then the unknown-model answer."""
+    return ModelNotFound(f"failed to load {_shown(name)!r}, failed to poll from model "
+                         f"repository: {unknown_model(name)}")
+
+
 def no_available_versions(name: str, why: str = "") -> ModelNotFound:
     """A known model that serves nothing now (unloaded, or failed to load: ``why``)."""
     return ModelNotFound(f"Request for unknown model: {_shown(name)!r} has no available "

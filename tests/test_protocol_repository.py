@@ -103,6 +103,18 @@ def test_unload_then_load_over_both_protocols(stack: Stack, http: Client) -> Non
     grpc.close()
 
 
+def test_a_load_of_a_name_that_is_no_model_says_failed_to_load(stack: Stack,
+                                                               http: Client) -> None:
+    """Triton's model-control examples look for "failed to load" in this answer."""
+    with grpcclient.InferenceServerClient(grpc_url(stack)) as grpc:
+        for client in (http, grpc):
+            with pytest.raises(InferenceServerException) as caught:
+                client.load_model("wrong_model_name")
+            assert "failed to load 'wrong_model_name'" in caught.value.message()
+            assert "Request for unknown model" in caught.value.message()
+    assert http.is_server_live()
+
+
 def test_in_flight_requests_finish_across_an_unload(stack: Stack, http: Client) -> None:
     """The slow model takes 600 ms a batch; it is unloaded while one request runs."""
     def infer_in_thread() -> np.ndarray:
