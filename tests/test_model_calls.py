@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import Stack
 from tests.procs import ROOT, RedisServer
+from tests.protocol_stack import protocol_stack
 
 MODELS = ROOT / "tests" / "bls_models"
 
@@ -29,14 +30,7 @@ def stack(redis_server: RedisServer, logdir: Path,
     shutil.copytree(MODELS / "caller", root / "caller_async")
     config = root / "caller_async" / "config.yaml"
     config.write_text(config.read_text().replace("mode: sync", "mode: async"))
-    stack = Stack(redis_server.url, root, logdir)
-    stack.add_api()
-    stack.add_worker()
-    try:
-        stack.wait_ready(timeout=90)
-        yield stack
-    finally:
-        stack.stop()
+    yield from protocol_stack(redis_server, logdir, root)
 
 
 def infer(stack: Stack, model: str, x: np.ndarray, **parameters: Any) -> httpx.Response:

@@ -18,6 +18,7 @@ from batching import bls
 from batching.errors import ModelFailure, ModelNotFound, call_failed
 from tests.conftest import Stack
 from tests.procs import RedisServer
+from tests.protocol_stack import protocol_stack
 from tests.test_model_calls import MODELS, infer, outputs
 from workers.triton_python import utils_module
 
@@ -28,14 +29,7 @@ def stack(redis_server: RedisServer, logdir: Path,
     root = tmp_path_factory.mktemp("triton-bls-repo")
     for folder in MODELS.iterdir():
         shutil.copytree(folder, root / folder.name)
-    stack = Stack(redis_server.url, root, logdir)
-    stack.add_api()
-    stack.add_worker()
-    try:
-        stack.wait_ready(timeout=90)
-        yield stack
-    finally:
-        stack.stop()
+    yield from protocol_stack(redis_server, logdir, root)
 
 
 def test_exec_and_async_exec_answer_the_called_models_requested_outputs(

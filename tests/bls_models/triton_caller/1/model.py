@@ -7,15 +7,16 @@ error response becomes this model's ``TritonError`` answer.
 """
 
 import asyncio
+from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    async def execute(self, requests):
+    async def execute(self, requests: list[Any]) -> list[Any]:
         return [await self.answer(request) for request in requests]
 
-    async def answer(self, request):
+    async def answer(self, request: Any) -> Any:
         x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
         target = "absent" if x[0, 0] == -4 else "twice"
         call = pb_utils.InferenceRequest(
