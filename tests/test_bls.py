@@ -161,6 +161,7 @@ def test_one_pop_at_a_time_serves_every_waiting_call() -> None:
     got: dict[str, str] = {}
 
     def wait(request_id: str) -> None:
+        box.expect(request_id)
         got[request_id] = box.wait(pop, request_id, deadline).id
 
     threads = [threading.Thread(target=wait, args=(str(i),)) for i in range(4)]
@@ -171,8 +172,26 @@ def test_one_pop_at_a_time_serves_every_waiting_call() -> None:
     for thread in threads:
         thread.join(10)
     assert got == {str(i): str(i) for i in range(4)}
+    box.expect("late")
     with pytest.raises(DeadlineExceeded, match="batch's deadline"):
         box.wait(pop, "late", int(time.time() * 1000) + 50)
+
+
+def test_a_reply_popped_before_its_call_waits_is_kept() -> None:
+    """A call is sent, then waits; another call's pop in between may take its reply."""
+    box = ReplyBox()
+    replies = [[Reply("a").encode(), Reply("b").encode()]]
+    box.expect("a")  # "a" is sent: its reply and "b"'s arrive in the one pop "b" makes
+    box.expect("b")
+    deadline = int(time.time() * 1000) + 10_000
+    assert box.wait(lambda _: replies.pop() if replies else [], "b", deadline).id == "b"
+    assert box.wait(lambda _: [], "a", int(time.time() * 1000) + 200).id == "a"
+    box.expect("c")
+    box.forget("c")  # never sent: a late reply of it is not kept
+    box.expect("d")
+    box.wait(lambda _: [Reply("c").encode(), Reply("d").encode()], "d", deadline)
+    with pytest.raises(DeadlineExceeded):
+        box.wait(lambda _: [], "c", int(time.time() * 1000) + 50)
 
 
 def test_a_call_enters_the_called_models_stream_and_waits_only_until_its_deadline(

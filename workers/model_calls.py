@@ -65,10 +65,22 @@ class ReplyBox:
         self._waiting: set[str] = set()
         self._popping = False
 
-    def wait(self, pop: Pop, request_id: str, deadline_ms: int) -> Reply:
-        """The reply to ``request_id``; :class:`DeadlineExceeded` at ``deadline_ms``."""
+    def expect(self, request_id: str) -> None:
+        """Keep ``request_id``'s reply from now: called before the request is sent, so a
+        reply another waiting call pops before this one waits is not dropped."""
         with self._changed:
             self._waiting.add(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Stop keeping ``request_id``'s reply (its request was never sent)."""
+        with self._changed:
+            self._waiting.discard(request_id)
+            self._arrived.pop(request_id, None)
+
+    def wait(self, pop: Pop, request_id: str, deadline_ms: int) -> Reply:
+        """The reply to ``request_id`` (:meth:`expect` ed); :class:`DeadlineExceeded` at
+        ``deadline_ms``."""
+        with self._changed:
             try:
                 while request_id not in self._arrived:
                     left = deadline_ms / 1000.0 - time.time()
@@ -133,7 +145,12 @@ class ModelCalls:
         try:
             if deadline_ms <= now_ms:
                 raise DeadlineExceeded("the batch's deadline passed before the call")
-            self._enter(config, request)
+            self._box.expect(request.id)
+            try:
+                self._enter(config, request)
+            except BaseException:
+                self._box.forget(request.id)
+                raise
             reply = self._box.wait(self._pop, request.id, deadline_ms)
         except ConveyorError as exc:
             raise call_failed(model, exc.code, exc.message) from exc
