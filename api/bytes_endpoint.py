@@ -21,10 +21,12 @@ import socketserver
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from batching.output_refs import UPLOAD_MAGIC
 from batching.settings import Settings
 from batching.tensor_transport import (
     COUNT,
@@ -81,6 +83,8 @@ class BytesEndpoint:
         self.where = ""
         """``tcp://host:port`` or ``tls://host:port``, as references carry it; set by
         :meth:`start`."""
+        self.on_upload: Callable[[socket.socket, int], None] | None = None
+        """What takes an upload of large outputs (api/output_upload.py), its head read."""
 
     @property
     def started(self) -> bool:
@@ -204,7 +208,7 @@ class _Connection(socketserver.BaseRequestHandler):
             if endpoint.tls is not None:
                 sock = endpoint.tls.wrap_socket(sock, server_side=True)
             while True:
-                items = _read_fetch(sock)
+                items = _read_fetch(sock, endpoint.on_upload)
                 if items is None:
                     return
                 parts = endpoint.serve(items)
@@ -220,13 +224,19 @@ class _Connection(socketserver.BaseRequestHandler):
                 sock.close()
 
 
-def _read_fetch(sock: socket.socket) -> list[tuple[int, bytes]] | None:
+def _read_fetch(sock: socket.socket, on_upload: Callable[[socket.socket, int], None] | None
+                ) -> list[tuple[int, bytes]] | None:
     """The next fetch on ``sock`` (waited for as long as it takes; once begun, each read
-    of it within ``STALL_S``); None when the peer closed it between fetches."""
-    head = _recv_exactly(sock, COUNT.size, idle=True)
-    if head is None:
-        return None
-    magic, count = COUNT.unpack(head)
+    of it within ``STALL_S``); None when the peer closed it between fetches. An upload of
+    outputs before it (batching/output_refs.py) goes to ``on_upload`` whole."""
+    while True:
+        head = _recv_exactly(sock, COUNT.size, idle=True)
+        if head is None:
+            return None
+        magic, count = COUNT.unpack(head)
+        if magic != UPLOAD_MAGIC or on_upload is None:
+            break
+        on_upload(sock, count)
     if magic != MAGIC or count > MAX_ITEMS:
         raise ValueError("a connection that does not speak the bytes endpoint's protocol")
     body = _recv_exactly(sock, ITEM.size * count)
