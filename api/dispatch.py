@@ -10,9 +10,11 @@ Replies come back on one list per API process (``cv:reply:{api_id}``), popped in
 on a second connection; each pop's reply resolves the requests' futures and sends the
 next pop. A request whose waiter is cancelled (its client left: an HTTP hang-up, a
 cancelled gRPC call) is withdrawn from its model's queue (batching/lua/withdraw.lua), so
-the model never runs it. Both connections are lean RESP links (batching.resp), or redis.asyncio ones
-with ``CONVEYOR_LEAN_REDIS=0`` (batching.redis_links); redis-py serves every other Redis
-call of the API.
+the model never runs it. A request whose outputs may be large is offered a place for
+them in this process (api/output_offers.py): its reply then names them instead of carrying
+them. Both connections are lean RESP links (batching.resp), or redis.asyncio ones with
+``CONVEYOR_LEAN_REDIS=0`` (batching.redis_links); redis-py serves every other Redis call of
+the API.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from api.admission import (
 )
 from api.admission import REQUEST_ADMIT as REQUEST_ADMIT
 from api.admission import Admission as Admission
+from api.lone_poll import LonePoll
+from api.output_offers import OutputOffers
 from batching.envelope import Reply, Request
 from batching.errors import DeadlineExceeded, Overloaded, Unavailable
 from batching.keys import GROUP, Keys
@@ -60,10 +64,6 @@ POP_BLOCK_S = 1
 POP_STALL_S = POP_BLOCK_S + 4
 """A pop unanswered this long means a hung Redis: both links are dropped and rebuilt."""
 WITHDRAW = script("withdraw")
-EXEC_SMOOTHING = 0.25
-"""Weight of the newest lone request's run time in its model's smoothed one."""
-POLL_LEAD = 0.8
-"""The poll for a lone request starts after this share of its model's usual run time."""
 
 
 class Dispatcher:
@@ -92,15 +92,10 @@ class Dispatcher:
         self._stall: asyncio.TimerHandle | None = None
         self._keeper: asyncio.Task[None] | None = None
         self.redis_ok = True
-        self._busy_poll_s = busy_poll_s
-        self._poll_until = 0.0
-        self._polling = False
-        self._poll_start: asyncio.TimerHandle | None = None
-        """When the poll for the lone request in flight begins."""
-        self._exec_s: dict[str, float] = {}
-        """Per model (its rows key): the model's run time for lone requests, smoothed. The
-        poll for a lone request's reply starts only when the reply is nearly due, so that
-        it does not take a core from the model while it runs."""
+        self._lone = LonePoll(busy_poll_s, lambda: len(self._waiting))
+        self.outputs: OutputOffers | None = None
+        """Where the large outputs of the requests offered it come back by reference
+        (api/output_offers.py); None: in the replies."""
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -114,8 +109,7 @@ class Dispatcher:
         self._keeper = asyncio.create_task(self._keep_linked(), name="conveyor-redis-links")
 
     async def close(self) -> None:
-        if self._poll_start is not None:
-            self._poll_start.cancel()
+        self._lone.close()
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.gather(self._keeper, return_exceptions=True)
@@ -143,12 +137,9 @@ class Dispatcher:
         self._waiting[request.id] = fut
         if not self._outbox:
             loop.call_soon(self._flush)
-        lead = self._exec_s.get(admission.rows_key, 0.0) * POLL_LEAD
-        self._poll_until = time.perf_counter() + lead + self._busy_poll_s
-        if lone and self._busy_poll_s > 0:
-            if self._poll_start is not None:  # an earlier lone request's, not yet begun
-                self._poll_start.cancel()
-            self._poll_start = loop.call_later(lead, self._begin_poll)
+        self._lone.submitted(admission.rows_key, lone)
+        offer = (self.outputs.offer(admission.model, request, admission.rows)
+                 if self.outputs is not None else None)
         self._outbox.append((admission, request.encode(), fut))
         if len(self._outbox) >= ADMIT_CHUNK:  # the worker starts on these while the rest parse
             self._flush()
@@ -157,7 +148,9 @@ class Dispatcher:
         try:
             reply = await fut
             if lone and reply.exec_ms > 0:
-                self._note_exec(admission.rows_key, reply.exec_ms / 1e3)
+                self._lone.note_exec(admission.rows_key, reply.exec_ms / 1e3)
+            if offer is not None and self.outputs is not None:
+                self.outputs.resolve(offer, reply)
             return reply
         except asyncio.CancelledError:
             entry_id = self._entry_ids.get(fut)
@@ -168,6 +161,8 @@ class Dispatcher:
             expiry.cancel()
             self._waiting.pop(request.id, None)
             self._entry_ids.pop(fut, None)
+            if offer is not None and self.outputs is not None:
+                self.outputs.free(offer)
 
     def _withdraw(self, admission: Admission, entry_id: bytes | str, deadline_ms: int) -> None:
         """Take an admitted request back: deleted if no worker has read it yet, else
@@ -191,28 +186,6 @@ class Dispatcher:
         if reply == 1 and self._writer is not None:
             self._writer.write(self._writer.prepare([
                 ("HINCRBY", self._keys.stats(model), "withdrawn_count", 1)]), [_withdrawn])
-
-    def _note_exec(self, model: str, seconds: float) -> None:
-        seen = self._exec_s.get(model)
-        self._exec_s[model] = seconds if seen is None else seen + EXEC_SMOOTHING * (seconds - seen)
-
-    def _begin_poll(self) -> None:
-        self._poll_start = None
-        if not self._polling:
-            self._polling = True
-            self._poll()
-
-    def _poll(self) -> None:
-        """Keep the event loop polling, not sleeping, while a lone request's reply is due
-        soon: each turn yields the CPU to any runnable process, then runs the loop once
-        more. With more requests in flight the loop rarely sleeps anyway, and polling
-        would take CPU from their work."""
-        loop = asyncio.get_running_loop()
-        if len(self._waiting) == 1 and time.perf_counter() < self._poll_until:
-            os.sched_yield()
-            loop.call_soon(self._poll)
-        else:
-            self._polling = False
 
     def _flush(self) -> None:
         # A request cancelled in its tick (its client left) is not admitted at all: admitting
@@ -386,7 +359,7 @@ class Dispatcher:
         self.redis_ok = True
         self._pop()
         if reply:
-            self._poll_until = time.perf_counter() + self._busy_poll_s
+            self._lone.replied()
         for data in reply[1] if reply else ():
             try:
                 self._resolve(Reply.decode(data))

@@ -31,6 +31,7 @@ from api.infer import ASGIApp, InferRoute
 from api.input_arena import InputArena
 from api.job_routes import jobs_router
 from api.metrics import ApiMetrics
+from api.output_offers import offers_from
 from api.periodic import Periodic
 from api.queue_routes import queues_router
 from api.repository_control import Repository
@@ -82,6 +83,8 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
                        max_bytes=settings.max_request_bytes,
                        interval_s=settings.heartbeat_interval_s)
     endpoint = endpoint_from(settings)
+    if isinstance(dispatcher, Dispatcher):
+        dispatcher.outputs = offers_from(settings, endpoint, models, watch.shares_memory)
     arena = InputArena(settings.tensor_arena_mb << 20, settings.tensor_arena_min_bytes,
                        watch.shares_memory, endpoint=endpoint, models=models,
                        transport=settings.tensor_transport)

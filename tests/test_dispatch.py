@@ -275,13 +275,13 @@ def test_a_lone_request_is_marked_and_polled_for(server: RedisServer) -> None:
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         waiting = [asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))]
         await asyncio.sleep(0.005)
-        assert dispatcher._polling
+        assert dispatcher._lone.polling
         waiting.append(asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5)))
         served = [await serve_one(client), await serve_one(client)]
         await asyncio.gather(*waiting)
         assert [s.params.get("lone") for s in served] == [1, None]
         await asyncio.sleep(0.01)
-        assert not dispatcher._polling  # nothing in flight: the loop sleeps again
+        assert not dispatcher._lone.polling  # nothing in flight: the loop sleeps again
     run(server, body, busy_poll_s=1.0)
 
 
@@ -338,7 +338,7 @@ def test_without_busy_polling_a_lone_request_is_marked_and_not_polled_for(
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         waiting = asyncio.ensure_future(dispatcher.submit(admission(), request(dispatcher), 5))
         await asyncio.sleep(0.005)
-        assert not dispatcher._polling
+        assert not dispatcher._lone.polling
         assert (await serve_one(client)).params.get("lone") == 1
         await waiting
     run(server, body)

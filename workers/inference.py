@@ -47,6 +47,7 @@ from workers.batch_stats import batch_counters
 from workers.expiry import Expiry, answer_unrun
 from workers.memory_caps import MemoryCaps
 from workers.model_thread import ModelThread
+from workers.output_push import OutputPush
 from workers.shared_inputs import SharedInputs
 from workers.shared_state import SharedState
 from workers.stream_port import ReclaimPort, StreamPort
@@ -121,6 +122,8 @@ class InferenceLoop:
         self.service = ServiceRate()
         """Rows per second of running batches, published with the heartbeat."""
         self.inputs = SharedInputs()
+        self.outputs = OutputPush()
+        """Uploads large outputs to the API processes that offer a place for them."""
         self._stages = pipelined and hasattr(model, "staging")
         """The model stacks batches into a buffer of its own: a full next batch is
         stacked while the model runs (:meth:`_prepare`)."""
@@ -357,7 +360,10 @@ class InferenceLoop:
         counters[f"reason:{batch.reason}"] = 1
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
         self.streams.note("last_inference", int(finished * 1000))
-        self.streams.answer(done.answered, counters)
+        self.outputs.push(done.answered)
+        # The next batch already runs (pipelined): its answer can carry these counters.
+        self.streams.answer(done.answered, counters,
+                            hold=self._model is not None and self._model.busy)
         answered = time.time()
         self.events(BatchReport(batch.rows, batch.reason, min(e.seen for e in batch.entries),
                                 started, answered, failure(done.answered)))
