@@ -65,7 +65,7 @@ class OutputPush:
             if offer is None:
                 continue
             large = [t for t in reply.outputs if t.ref is None and len(t.raw) >= offer.min_bytes]
-            if large and sum(len(t.raw) for t in large) <= offer.bound:
+            if large:  # beyond its bound, the endpoint refuses it
                 by_endpoint.setdefault(offer.where, []).append(_Upload(offer, large))
         for where, uploads in by_endpoint.items():
             chunk: list[_Upload] = []
