@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.conftest import MakeStack
-from tests.procs import free_port
+from tests.procs import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +50,9 @@ outputs:
 
 
 def _repository(root: Path) -> Path:
-    """``mirror`` answers each image with itself; ``spill`` too, but declares a quarter of
-    it (what the API bounds its upload by)."""
-    for name, out_row in (("mirror", ROW), ("spill", ROW // 4)):
+    """``mirror`` answers each image with itself; ``spill`` too, but declares half of it
+    (what the API bounds its upload by)."""
+    for name, out_row in (("mirror", ROW), ("spill", ROW // 2)):
         folder = root / name
         folder.mkdir(parents=True)
         (folder / "model.py").write_text(MODEL)
@@ -88,7 +88,7 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
     stack = make_stack(_repository(tmp_path / "repo"), CONVEYOR_TENSOR_TRANSPORT="fetch",
                        CONVEYOR_TENSOR_ARENA_MB="0", CONVEYOR_GRPC_PORT=str(grpc_port))
     url = stack.add_api()
-    stack.add_worker()
+    worker = stack.add_worker()
     stack.wait_ready()
     r = stack.redis()
     images = _images(48, seed=11)
@@ -119,3 +119,5 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
     read = int(r.info("stats")["total_net_input_bytes"]) - before
     assert copies == [image.tobytes() for image in spilled]
     assert read >= sum(image.nbytes for image in spilled)
+    wait_for(lambda: "declared outputs hold were refused" in worker.log(), 30,
+             "the worker to log the refused uploads")

@@ -22,6 +22,7 @@ from batching.output_refs import (
     STATUS,
     UPLOAD_MAGIC,
     Offer,
+    UploadRefusal,
     output_ref,
     parse_offer,
 )
@@ -102,7 +103,7 @@ class OutputPush:
                 return
             try:
                 link.settimeout(max(deadline - time.monotonic(), 0.001))
-                stored = _exchange(link, items)
+                stored, refused = _exchange(link, items)
                 break
             except (OSError, ValueError) as exc:
                 self._links.pop(where, None)
@@ -111,6 +112,9 @@ class OutputPush:
                     log.warning("large outputs of %d requests go through Redis: their "
                                 "upload to %s failed: %s", len(uploads), where, exc)
                     return
+        if UploadRefusal.TOO_LARGE in refused:
+            log.warning("large outputs go through Redis: more bytes than their requests' "
+                        "declared outputs hold were refused by %s", where)
         for upload in uploads:
             if upload.offer.id in stored:
                 for index, tensor in enumerate(upload.tensors):
@@ -141,8 +145,10 @@ def _connect(where: str, timeout_s: float, tls: ssl.SSLContext | None) -> socket
         raise
 
 
-def _exchange(link: socket.socket, items: list[tuple[_Upload, Tensor]]) -> set[int]:
-    """One upload of ``items`` on ``link``: the ids whose tensors the endpoint stored."""
+def _exchange(link: socket.socket, items: list[tuple[_Upload, Tensor]]
+              ) -> tuple[set[int], set[int]]:
+    """One upload of ``items`` on ``link``: the ids whose tensors the endpoint stored, and
+    the refusals it answered."""
     link.sendall(HEAD.pack(UPLOAD_MAGIC, len(items)) + b"".join(
         ITEM.pack(u.offer.id, u.offer.token, len(t.raw)) for u, t in items))
     answer = _recv(link, len(UPLOAD_MAGIC) + STATUS.size * len(items))
@@ -150,14 +156,16 @@ def _exchange(link: socket.socket, items: list[tuple[_Upload, Tensor]]) -> set[i
         raise ValueError("not a bytes endpoint's answer")
     statuses = [STATUS.unpack_from(answer, len(UPLOAD_MAGIC) + STATUS.size * i)[0]
                 for i in range(len(items))]
+    refused = {-status for status in statuses if status < 0}
     accepted = [t.raw for (_, t), status in zip(items, statuses, strict=True) if status == 0]
     if not accepted:
-        return set()
+        return set(), refused
     _send_all(link, accepted)
     magic, count = HEAD.unpack(_recv(link, HEAD.size))
     if magic != UPLOAD_MAGIC or count != len(accepted):
         raise ValueError("the endpoint stored another count of tensors")
-    return {u.offer.id for (u, _), status in zip(items, statuses, strict=True) if status == 0}
+    return {u.offer.id for (u, _), status in zip(items, statuses, strict=True)
+            if status == 0}, refused
 
 
 def _send_all(link: socket.socket, parts: list[bytes | memoryview]) -> None:
