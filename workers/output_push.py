@@ -56,6 +56,8 @@ class OutputPush:
         self._links: dict[str, socket.socket] = {}
         self._down: dict[str, float] = {}
         """Endpoints that could not be reached: until when (monotonic)."""
+        self._taking: set[str] = set()
+        """Endpoints that stored an upload since they were last unreachable (logged once)."""
 
     def push(self, answered: Sequence[tuple[Entry, Reply]]) -> None:
         """Upload the large outputs of the ``answered`` requests that offer a place for
@@ -98,6 +100,7 @@ class OutputPush:
                 link = self._link(where, deadline)
             except (OSError, ValueError) as exc:
                 self._down[where] = time.monotonic() + self._timeout_s
+                self._taking.discard(where)
                 log.warning("large outputs go through Redis for %.1f s: the API process at "
                             "%s cannot be reached: %s", self._timeout_s, where, exc)
                 return
@@ -109,9 +112,13 @@ class OutputPush:
                 self._links.pop(where, None)
                 link.close()
                 if not (kept and isinstance(exc, ConnectionError)):
+                    self._taking.discard(where)
                     log.warning("large outputs of %d requests go through Redis: their "
                                 "upload to %s failed: %s", len(uploads), where, exc)
                     return
+        if stored and where not in self._taking:
+            self._taking.add(where)
+            log.info("large outputs go to the API process at %s by reference", where)
         if UploadRefusal.TOO_LARGE in refused:
             log.warning("large outputs go through Redis: more bytes than their requests' "
                         "declared outputs hold were refused by %s", where)

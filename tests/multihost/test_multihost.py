@@ -14,7 +14,8 @@ both APIs while hosts fail and join.
 
 Each API and worker host has a ``/dev/shm`` of its own, so every input (the APIs count the
 echo model's 16 bytes as large) is fetched by the worker from its API host's bytes
-endpoint, the path between hosts (docs/data-path.md).
+endpoint, the path between hosts (docs/data-path.md), and every output as large is uploaded
+to it; the chaos below covers both ways.
 
 No event may cause a 5xx or any other HTTP error: the cut is healed by reclaim well within
 the requests' deadlines, the new worker only adds capacity, and a dead API answers nothing
@@ -139,6 +140,9 @@ def test_hosts_fail_and_join_under_load_with_one_answer_per_request(
     started = run.answers.ready
     # Each host has its own /dev/shm: the inputs are fetched from the APIs, not in Redis.
     run.until(lambda: services.fetched() > 0, "an input fetched from its API host")
+    # ... and the outputs (as large as the inputs) uploaded to them: Redis carries neither.
+    run.until(lambda: any("large outputs go to the API process at" in w.log() for w in workers),
+              "an output uploaded to its API host")
     run.answered(PHASE, started, "the first phase")
 
     # 1. A worker host drops off the network with entries in hand.
