@@ -25,12 +25,21 @@ read as chunked, as RFC 9112 section 6.3 says (llhttp refuses it unless told to 
 lenient), its ``Content-Length`` is dropped before the application sees the headers,
 and the connection is closed after the response (the RFC asks that of a server taking
 such a request). Errors the parser answers by itself have ``{"error": ...}`` bodies.
+
+Past capacity, a request for a model whose adaptive policy has ``batching.overload:
+lifo`` is refused as soon as its headers are parsed when it has waited unread too long
+to be answered in time (api/overload.py ``refuses_unread``; how long it can have waited:
+api/turns.py, from the read that began it; a connection's first request from before its
+accept): a pre-encoded 503 with ``Retry-After``, written once its body has been read past
+(never parsed), without an application task. Only on a connection with no other request
+in hand, so that the answers keep their order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -47,6 +56,7 @@ from uvicorn.server import ServerState
 from api import body_timeouts
 from api.coalesce import CoalescingTransport
 from api.http_direct import CYCLE
+from api.overload import active
 from batching.errors import ConveyorError, HeadersTooLarge, InvalidInput, RequestTimeout
 from batching.settings import Settings
 
@@ -56,6 +66,15 @@ MAX_HEADER_BYTES = 64 * 1024
 """Request line and headers of one request, at most (h11's default is 16 KiB)."""
 WARN_EVERY_S = 60.0
 """A full connection table is logged at most this often."""
+INFER_URL = re.compile(rb"^/v2/models/([^/?%]+)(?:/versions/[^/?%]+)?/infer$")
+"""The model of an infer request's URL (a percent-encoded name is left to the route)."""
+_UNREAD_BODY = (b'{"error":"past capacity: the request waited unread longer than its model\'s '
+                b'latency target allows"}')
+UNREAD_REFUSAL = b"".join([STATUS_LINE[503], b"content-type: application/json\r\n",
+                           b"retry-after: 1\r\n",
+                           b"content-length: %d\r\n\r\n" % len(_UNREAD_BODY), _UNREAD_BODY])
+"""The answer to a request refused for its unread wait, written as it is."""
+UNREAD_REFUSAL_CLOSE = UNREAD_REFUSAL.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1)
 DISCONNECT_HOOK = "conveyor.on_disconnect"
 """Scope key of a function (no arguments) to call when the client hangs up before the
 response to that request is complete."""
@@ -122,6 +141,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """When the connection last had no request in hand (:data:`QUIET_SINCE`)."""
         self._read_at = 0.0
         """When the bytes being parsed were read (``time.perf_counter()``)."""
+        self._read_after: float | None = None
+        """Those bytes arrived after this ``time.perf_counter()``, when known (api/turns.py)."""
+        self._began_after: float | None = None
+        """The same, for the read that began the current request."""
+        self._born_after: float | None = None
+        """The same for the connection itself, until its first read."""
+        self._first_read = True
+        self._refusing = False
+        """The current request is refused unread: its body is skipped, then answered."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         full = len(self.connections) >= self.limits.max_connections
@@ -131,6 +159,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             transport.close()
             return
         self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
+        overload = active(self.loop)
+        if overload is not None and overload.turns is not None:
+            self._born_after = overload.turns.read()
         self._wait_for_headers(time.perf_counter(), idle=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -152,6 +183,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._idle = False  # a byte of the next request: keep-alive no longer applies
         super().on_message_begin()  # the request's scope: its clock starts with these bytes
         self.scope[RECEIVED_AT] = self._read_at  # type: ignore[literal-required]
+        self._began_after = self._read_after
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
@@ -175,6 +207,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._refuses_unread():
+            self._refusing = True  # the header watchdog still bounds its body
+            return
         self._waiting_since = None
         self._headed += 1
         framed_twice = self._chunked and self._sized
@@ -189,7 +224,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if framed_twice:
                 cycle.keep_alive = False
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refusing:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refusing:
+            self._refuse_unread()
+            return
         self._disarm_body_timer()
         super().on_message_complete()
 
@@ -203,6 +245,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Request life ---------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         self._read_at = time.perf_counter()
+        overload = active(self.loop)
+        if overload is not None and overload.turns is not None:
+            after = overload.turns.read()
+            if self._first_read:  # its bytes may have come with the connection
+                after = None if after is None or self._born_after is None else min(
+                    after, self._born_after)
+            self._read_after = after
+        self._first_read = False
         super().data_received(data)
         cycle = self.cycle
         # The running request's body, still to come once these bytes are parsed, must come
@@ -230,6 +280,36 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._start_asgi_task(cycle, app)
             if cycle.more_body:
                 self._time_body(cycle)
+        if self._answered == self._headed:
+            self._quiet_since = now = time.perf_counter()
+            self._wait_for_headers(now, idle=True)
+
+    # Refused unread -------------------------------------------------------------------
+    def _refuses_unread(self) -> bool:
+        """Whether the request whose headers are complete is refused for its unread wait
+        (module docstring)."""
+        since = self._began_after
+        if since is None or self.expect_100_continue or self.parser.get_method() != b"POST":
+            return False
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return False  # a request in hand: an answer now would overtake its
+        overload = active(self.loop)
+        found = INFER_URL.match(self.url)
+        if overload is None or found is None:
+            return False
+        return overload.refuses_unread(found.group(1).decode("ascii"),
+                                       time.perf_counter() - since)
+
+    def _refuse_unread(self) -> None:
+        """The refused request's body has been read past: answer it."""
+        self._refusing = False
+        self.server_state.total_requests += 1
+        if not self.parser.should_keep_alive():
+            self.transport.write(UNREAD_REFUSAL_CLOSE)
+            self.transport.close()
+            return
+        self.transport.write(UNREAD_REFUSAL)
         if self._answered == self._headed:
             self._quiet_since = now = time.perf_counter()
             self._wait_for_headers(now, idle=True)

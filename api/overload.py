@@ -45,6 +45,17 @@ that default comes before the body is read (``final=False``), and the check by i
 timeout before its JSON tensors are decoded (api/service.py). On mlp_medium at 2,000
 req/s offered on a 2-core host, decoding was about a fifth of the API's CPU samples;
 skipping it for the refused requests took 8% off the API's CPU per offered request.
+
+Cheaper still, and judged by the wait itself: for a model whose adaptive policy has
+``batching.overload: lifo``, the HTTP listener refuses a request as soon as its headers
+are parsed (api/http_guard.py: a pre-encoded 503, its body skipped, no task, no Redis)
+when, with the loop behind, the longest it can have waited unread (api/turns.py) plus
+the time this model's requests take here is more than its latency target (or its
+default timeout, when sooner): :meth:`Overload.refuses_unread`. A request that has
+waited that long would be answered late; under first come, first served every request
+of a standing backlog has, so refusing by the timeout only (above) answered nothing in
+time. Refusing those at a fraction of a served request's cost drains the backlog, and
+the loop's turns shorten until what it reads is fresh again.
 """
 
 from __future__ import annotations
@@ -54,6 +65,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from api.turns import TurnClock
+from batching.config import ModelConfig
 from batching.errors import Overloaded
 
 INTERVAL_S = 0.005
@@ -92,6 +105,14 @@ still seen refused 3,000 times a second (and answered 270 times) for a second or
 time, 2 seconds in 32; over a quarter of one, none in 32 (the worst: 1,009 answered,
 1,392 refused)."""
 
+_ACTIVE: dict[asyncio.AbstractEventLoop, Overload] = {}
+"""The started :class:`Overload` of each event loop, for its HTTP listener."""
+
+
+def active(loop: asyncio.AbstractEventLoop) -> Overload | None:
+    """The :class:`Overload` started on ``loop``, if any (the listener's)."""
+    return _ACTIVE.get(loop)
+
 
 @dataclass(slots=True)
 class Overload:
@@ -120,16 +141,56 @@ class Overload:
     """Requests answered, decaying with ``RATE_S`` (aged by the sampler)."""
     _refusals: float = 0.0
     """Requests refused, decaying alike."""
+    unread_budget_s: dict[str, float] = field(default_factory=dict)
+    """Per ``lifo`` model seen, the longest a request may take, read or unread: its
+    latency target, or its default timeout when sooner."""
+    turns: TurnClock | None = None
+    """The loop's turns, once started (api/turns.py)."""
+    refused_unread: int = 0
+    """Requests the listener refused by :meth:`refuses_unread`."""
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._aged = time.monotonic()
+        self.turns = TurnClock(self._loop)
+        _ACTIVE[self._loop] = self
         self._resume()
 
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._loop is not None and _ACTIVE.get(self._loop) is self:
+            del _ACTIVE[self._loop]
         self._timer = self._loop = None
+
+    def learn(self, model: str, config: ModelConfig) -> None:
+        """Note ``model``'s budget for :meth:`refuses_unread` (only ``lifo`` adaptive
+        models have one): the listener judges a model's requests once one has been seen."""
+        batching = config.batching
+        if batching.adaptive and batching.overload == "lifo":
+            self.unread_budget_s[model] = min(batching.latency_target_ms,
+                                              config.queue.default_timeout_ms) / 1000.0
+        else:
+            self.unread_budget_s.pop(model, None)
+
+    def refuses_unread(self, model: str, waited_s: float) -> bool:
+        """Whether a request for ``model`` whose bytes waited up to ``waited_s`` before
+        their read is to be refused at once: the loop is behind, and that wait plus the
+        time the model's requests take here exceeds its budget. One request a model
+        still goes through every ``probe_s``, to keep that time measured."""
+        budget = self.unread_budget_s.get(model)
+        if budget is None:
+            return False
+        self._checked = True  # a request came: the sampler goes on
+        if self.lag_s <= KEEPING_UP_S:
+            return False
+        if waited_s + self.took_s.get(model, 0.0) <= budget:
+            return False
+        last = self._passed.get(model)
+        if last is None or time.monotonic() - last >= self.probe_s:
+            return False
+        self.refused_unread += 1
+        return True
 
     @property
     def sampling(self) -> bool:

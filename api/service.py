@@ -130,6 +130,7 @@ class InferenceService:
             vetted = timeout_ms_of(parameters, config)
             self.overload.check(model, vetted / 1000.0, unread)
 
+        self.overload.learn(model, config)  # for the listener's refusals (api/http_guard.py)
         try:
             # A request's own timeout can only shorten its model's default: when even that
             # would be answered late, the request is refused before its body is read.
