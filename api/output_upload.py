@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batching.output_refs import (
     HEAD,
     ITEM,
@@ -140,22 +142,24 @@ class Uploads:
         sock.sendall(UPLOAD_MAGIC + b"".join(STATUS.pack(s) for s in statuses))
         if not accepted.ids:
             return
-        parts = [_recv_exactly(sock, length) for length in accepted.lengths]
+        body = _recv_exactly(sock, sum(accepted.lengths))
+        parts, at = [], 0
+        for length in accepted.lengths:
+            parts.append(bytes(body[at:at + length]))  # what the answer's encoders take
+            at += length
         self.store(accepted, parts)
         sock.sendall(HEAD.pack(UPLOAD_MAGIC, len(parts)))
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    """``size`` bytes as one ``bytes`` (in one receive, no copy, where the socket allows)."""
-    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
-    chunks: list[bytes] = []
+def _recv_exactly(sock: socket.socket, size: int) -> memoryview:
+    """``size`` bytes, received in place into one buffer (not zeroed first: every byte is
+    received into it)."""
+    view = np.empty(size, np.uint8).data
     got = 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < size:
-        chunk = sock.recv(size - got, flags)
-        if not chunk:
+        n = sock.recv_into(view[got:], size - got, flags)
+        if n == 0:
             raise ConnectionError("the inference process closed the connection mid-upload")
-        if len(chunk) == size:
-            return chunk
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += n
+    return view
