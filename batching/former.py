@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from batching.config import ModelConfig
+from batching.contiguous import adjacent
 from batching.envelope import VERSION, Request, split_rows
 from batching.policy import Decision, Policy
 from batching.shedding import rows_in_time
@@ -128,7 +129,9 @@ class Batch:
     def stacked_inputs(self, staging: Staging | None = None) -> dict[str, npt.NDArray[Any]]:
         """Concatenate each input along the batch axis, in entry order, padding declared
         variable axes to the longest in the batch; into the array ``staging`` gives for
-        the input's name, shape and dtype where it gives one (a model's pinned buffer)."""
+        the input's name, shape and dtype where it gives one (a model's pinned buffer).
+        Without either, rows that already lie in order in one buffer (fetched together)
+        are that buffer's bytes, uncopied (batching/contiguous.py)."""
         first = self.entries[0].request.inputs
         if len(self.entries) == 1:
             return {t.name: t.array() for t in first}
@@ -137,6 +140,11 @@ class Batch:
             parts = [e.request.inputs[i].array() for e in self.entries]
             if tensor.name in self.layout.pad:
                 parts = _pad_to_longest(parts, *self.layout.pad[tensor.name])
+            elif staging is None:
+                joined = adjacent(parts, [e.request.inputs[i].raw for e in self.entries])
+                if joined is not None:  # fetched together: already one array
+                    stacked[tensor.name] = joined
+                    continue
             out = None
             if staging is not None and len({p.dtype for p in parts}) == 1:
                 shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])

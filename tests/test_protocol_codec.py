@@ -49,6 +49,16 @@ def test_header_then_binary_inputs_in_order() -> None:
     assert list(parsed.inputs[1].array().ravel()) == [b"", "é".encode()]
 
 
+def test_a_binary_input_views_its_body_and_copies_what_may_change() -> None:
+    body = np.arange(8, dtype=np.float32).tobytes() + b"tail"
+    kept = tensor_from_buffer("t", "FP32", (2, 4), memoryview(body)[:32])
+    assert isinstance(kept.raw, memoryview) and kept.raw.obj is body  # not copied
+    mutable = bytearray(body)
+    copied = tensor_from_buffer("t", "FP32", (2, 4), memoryview(mutable)[:32])
+    mutable[:4] = b"\xff" * 4
+    assert isinstance(copied.raw, bytes) and copied.array()[0, 0] == 0.0
+
+
 @pytest.mark.parametrize("datatype,shape,data,message", [
     ("FP32", (1, 2), b"\0" * 7,
      "input byte size mismatch for input 't' for model 'm'. Expected 8, got 7"),
