@@ -3,7 +3,8 @@ path between hosts forced on one (``CONVEYOR_TENSOR_TRANSPORT=fetch``), against 
 redis-server, an API process and a Celery worker: every output, over HTTP and gRPC, is its
 own input's bytes, and neither the inputs nor the outputs pass through Redis; a model whose
 outputs exceed what it declares has its uploads refused, and its outputs come back in the
-Redis replies instead, still each request's own."""
+Redis replies instead, still each request's own; the entries of a worker killed with a
+batch in hand are run and uploaded by the next."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.conftest import MakeStack
 from tests.procs import free_port, wait_for
+from tests.test_tensor_fetch_stack import _pending
 
 pytestmark = pytest.mark.integration
 
@@ -49,13 +51,13 @@ outputs:
 """
 
 
-def _repository(root: Path) -> Path:
+def _repository(root: Path, model: str = MODEL) -> Path:
     """``mirror`` answers each image with itself; ``spill`` too, but declares half of it
     (what the API bounds its upload by)."""
     for name, out_row in (("mirror", ROW), ("spill", ROW // 2)):
         folder = root / name
         folder.mkdir(parents=True)
-        (folder / "model.py").write_text(MODEL)
+        (folder / "model.py").write_text(model)
         (folder / "config.yaml").write_text(_config(out_row))
     return root
 
@@ -121,3 +123,24 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
     assert read >= sum(image.nbytes for image in spilled)
     wait_for(lambda: "declared outputs hold were refused" in worker.log(), 30,
              "the worker to log the refused uploads")
+
+
+def test_a_killed_worker_s_batch_is_run_and_uploaded_by_the_next(
+        make_stack: MakeStack, tmp_path: Path) -> None:
+    slow = MODEL.replace("    def predict(self, inputs):\n",
+                         "    def predict(self, inputs):\n        __import__('time').sleep(1.0)\n")
+    stack = make_stack(_repository(tmp_path / "repo", slow), CONVEYOR_TENSOR_TRANSPORT="fetch",
+                       CONVEYOR_TENSOR_ARENA_MB="0", CONVEYOR_HEARTBEAT_STALE_S="2")
+    url = stack.add_api()
+    first = stack.add_worker()
+    stack.wait_ready()
+    r = stack.redis()
+    images = _images(3, seed=14)
+    with ThreadPoolExecutor(len(images)) as pool:
+        answers = [pool.submit(_copy, url, "mirror", image) for image in images]
+        wait_for(lambda: _pending(r, stack) > 0, 30, "the first worker to hold a batch")
+        first.kill_group()  # SIGKILL with the batch in hand: nothing of it uploaded
+        second = stack.add_worker()
+        assert [a.result(timeout=60) for a in answers] == [image.tobytes() for image in images]
+    wait_for(lambda: "large outputs go to the API process at" in second.log(), 30,
+             "the next worker to log its uploads")
