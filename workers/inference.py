@@ -361,9 +361,7 @@ class InferenceLoop:
         counters["wait_ns"] = int((started - min(e.seen for e in batch.entries)) * 1e9)
         self.streams.note("last_inference", int(finished * 1000))
         self.outputs.push(done.answered)
-        # The next batch already runs (pipelined): its answer can carry these counters.
-        self.streams.answer(done.answered, counters,
-                            hold=self._model is not None and self._model.busy)
+        self.streams.answer(done.answered, counters)
         answered = time.time()
         self.events(BatchReport(batch.rows, batch.reason, min(e.seen for e in batch.entries),
                                 started, answered, failure(done.answered)))

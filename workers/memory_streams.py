@@ -60,8 +60,6 @@ class MemoryStreams:
         """The model's statistics hash: counters and latest values."""
         self.suspect: str | None = None
         """The entry on trial (run alone after a re-delivery); cleared by the next answer."""
-        self.held = 0
-        """Answers sent with ``hold`` (their next batch already running)."""
         self._unread: dict[str, deque[_Stored]] = {name: deque() for name in streams}
         self._pending: dict[str, _Stored] = {}
         """Entries handed out (read or claimed) and not yet answered, by entry id."""
@@ -147,12 +145,10 @@ class MemoryStreams:
                      stored.deliveries)
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
-               counters: Mapping[str, int] | None = None, *, hold: bool = False) -> None:
+               counters: Mapping[str, int] | None = None) -> None:
         """Push the replies and release the entries still held, with their rows (taking
-        ``answer_s``); the statistics land at once, ``hold`` or not (``held`` counts the
-        answers that could have held them)."""
+        ``answer_s``)."""
         time.sleep(self.answer_s)
-        self.held += hold
         self.stats.update(counters or {})
         for entry, reply in answered:
             self.lists[entry.request.reply].append(reply.encode())

@@ -54,12 +54,11 @@ class StreamPort(Protocol):
         ...
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
-               counters: Mapping[str, int] | None = None, *, hold: bool = False) -> None:
+               counters: Mapping[str, int] | None = None) -> None:
         """Add ``counters`` to the statistics, then send the replies and release the
         entries after them (on a cluster, only once every reply push has succeeded). On
         a single Redis the statistics count a reply before it is out; on a cluster they
-        go out with the replies (workers/streams.py). ``hold``: the next batch runs, and
-        the statistics may wait for its answer."""
+        go out with the replies (workers/streams.py)."""
         ...
 
     def settle(self) -> None:

@@ -8,10 +8,7 @@ from the queue limit, in one step. On a single Redis (or a Sentinel-watched prim
 write is one pipeline on one connection and Redis applies it in that order: the
 statistics count a request before its client can have the answer, and an entry is
 released only after its reply is pushed, so a write cut short leaves it pending, for the
-reclaimer to re-run. Under load, an answer sent while the process's next batch already
-runs holds its statistics for that batch's answer (``hold``; at most ``FLUSH_EVERY_S``):
-a request is then counted with the answer that follows its own, and once a model's
-process has nothing left to run every request answered is counted.
+reclaimer to re-run.
 A Redis Cluster applies the commands of one write node by node, each node on its own (a
 reply list lives on its API process's slot, the rest on the model's), so there an answer
 is two writes, one round trip apart: the statistics and the replies, then, only once
@@ -287,13 +284,10 @@ class ModelStreams:
         return entries
 
     def answer(self, answered: Iterable[tuple[Entry, Reply]],
-               counters: Mapping[str, int] | None = None, *, hold: bool = False) -> None:
+               counters: Mapping[str, int] | None = None) -> None:
         """Add ``counters`` (and any still buffered) to the stats hash, send every reply
         and release the entries (XACK, XDEL and their rows off the queue limit, for those
-        still there). With ``hold`` (the process's next batch already runs, and its answer
-        follows) the counters wait for a later answer or flush, at most ``FLUSH_EVERY_S``:
-        a batch's statistics are a script of some twenty ``HINCRBY``, a tenth of what
-        Redis spends on a batch of fetched inputs.
+        still there).
 
         On a single Redis: one write for the whole batch, whose replies are read with the
         next read's. The counters go first, so they are in the hash before any reply is
@@ -304,7 +298,7 @@ class ModelStreams:
         more, waited for here.
         """
         self._counts.update(counters or {})
-        due = (not self._flush_s and not hold) or time.monotonic() >= self._next_flush
+        due = not self._flush_s or time.monotonic() >= self._next_flush
         commands = self._due_counts() if self.counts_pending and due else []
         by_reply: dict[str, list[bytes]] = defaultdict(list)
         by_stream: dict[str, list[str | int]] = defaultdict(list)

@@ -90,23 +90,3 @@ def test_a_cluster_leaves_the_entries_pending_when_a_push_fails(refusal: object)
     link = RecordingLink(splits=True, push_reply=refusal)
     answer_on(link)
     assert link.writes == [["EVAL stats", "RPUSH", "EXPIRE", "RPUSH", "EXPIRE"]]
-
-
-def test_an_answer_held_for_the_next_batch_sends_its_counters_with_that_one() -> None:
-    link = RecordingLink(splits=False)
-    streams = ModelStreams(cast(redis.Redis, None), link, KEYS.queues(MODEL, 1),
-                           KEYS.stats(MODEL), KEYS.rows_waiting(MODEL), "c1",
-                           suspects_key=KEYS.suspects(MODEL))
-    x = Tensor.from_array("x", np.zeros((1, 4), np.float32))
-
-    def batch(i: int) -> list[tuple[Entry, Reply]]:
-        entry = Entry(KEYS.queue(MODEL, 1), f"1-{i}",
-                      Request(f"r{i}", KEYS.reply("api"), 0, 0, 1, [x]), 0.0, 1)
-        return [(entry, Reply(entry.request.id))]
-
-    streams.answer(batch(0), {"success_count": 1}, hold=True)  # the first: counted at once
-    streams.answer(batch(1), {"success_count": 1}, hold=True)  # the next batch runs: held
-    assert streams.counts_pending
-    streams.answer(batch(2), {"success_count": 1})  # the last: carries the held ones
-    assert not streams.counts_pending
-    assert [w[0] for w in link.writes] == ["EVAL stats", "RPUSH", "EVAL stats"]

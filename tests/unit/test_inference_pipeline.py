@@ -144,9 +144,6 @@ def test_the_next_batch_is_formed_when_the_model_frees_from_all_read_meanwhile()
     assert model.batches == [1, 5]
     got = replies(streams)
     assert len(got) == 6 and all(reply.ok for reply in got.values())
-    # The first answer went while the second batch ran: its counters could wait for the
-    # second's answer, which, with nothing left to run, holds nothing.
-    assert streams.held == 1 and streams.stats["success_count"] == 6
 
 
 def test_a_model_error_is_answered_to_its_batch_only_while_the_next_one_runs() -> None:
