@@ -105,6 +105,15 @@ still seen refused 3,000 times a second (and answered 270 times) for a second or
 time, 2 seconds in 32; over a quarter of one, none in 32 (the worst: 1,009 answered,
 1,392 refused)."""
 
+STAY_S = 0.1
+"""Once the listener refuses, it goes on judging every request by its wait until none was
+refused for this long, the lag notwithstanding: the refusals themselves bring the lag
+down, and a listener that stopped judging then let the backlog grow back within a
+turn or two."""
+DEVIATIONS = 2.0
+"""The listener judges a request by the time its model's requests took here plus this many
+mean deviations: by the mean alone, about half of those it let through were late."""
+
 _ACTIVE: dict[asyncio.AbstractEventLoop, Overload] = {}
 """The started :class:`Overload` of each event loop, for its HTTP listener."""
 
@@ -120,6 +129,8 @@ class Overload:
     """The event loop's lateness, smoothed."""
     took_s: dict[str, float] = field(default_factory=dict)
     """Per model, the smoothed time its successful requests took in this process."""
+    took_dev_s: dict[str, float] = field(default_factory=dict)
+    """Per model, the smoothed absolute deviation of that time from ``took_s``."""
     probe_s: float = PROBE_S
     """While refusing, one request of each model goes through this often."""
     _passed: dict[str, float] = field(default_factory=dict)
@@ -148,6 +159,8 @@ class Overload:
     """The loop's turns, once started (api/turns.py)."""
     refused_unread: int = 0
     """Requests the listener refused by :meth:`refuses_unread`."""
+    _refused_unread_at: float = float("-inf")
+    """When it last refused one (time.monotonic())."""
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -175,21 +188,25 @@ class Overload:
 
     def refuses_unread(self, model: str, waited_s: float) -> bool:
         """Whether a request for ``model`` whose bytes waited up to ``waited_s`` before
-        their read is to be refused at once: the loop is behind, and that wait plus the
-        time the model's requests take here exceeds its budget. One request a model
+        their read is to be refused at once: the loop is behind (or one was refused
+        within ``STAY_S``), and that wait plus the
+        time the model's requests take here (with ``DEVIATIONS``) exceeds its budget. One request a model
         still goes through every ``probe_s``, to keep that time measured."""
         budget = self.unread_budget_s.get(model)
         if budget is None:
             return False
         self._checked = True  # a request came: the sampler goes on
-        if self.lag_s <= KEEPING_UP_S:
+        now = time.monotonic()
+        if self.lag_s <= KEEPING_UP_S and now - self._refused_unread_at > STAY_S:
             return False
-        if waited_s + self.took_s.get(model, 0.0) <= budget:
+        took = self.took_s.get(model, 0.0) + DEVIATIONS * self.took_dev_s.get(model, 0.0)
+        if waited_s + took <= budget:
             return False
         last = self._passed.get(model)
-        if last is None or time.monotonic() - last >= self.probe_s:
+        if last is None or now - last >= self.probe_s:
             return False
         self.refused_unread += 1
+        self._refused_unread_at = now
         return True
 
     @property
@@ -201,6 +218,9 @@ class Overload:
         """A request for ``model`` succeeded ``seconds`` after this process read it."""
         was = self.took_s.get(model)
         self.took_s[model] = seconds if was is None else was + SMOOTHING * (seconds - was)
+        dev = self.took_dev_s.get(model, 0.0)
+        off = 0.0 if was is None else abs(seconds - was)
+        self.took_dev_s[model] = dev + SMOOTHING * (off - dev)
         self._answers += 1.0
 
     def check(self, model: str, timeout_s: float, unread_at_most: float | None = None, *,

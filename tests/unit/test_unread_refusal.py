@@ -68,6 +68,15 @@ def test_behind_a_request_that_waited_too_long_is_refused_and_one_in_time_is_not
     assert not overload.refuses_unread("m", 0.025)  # 25 + 20 ms: within 50
     assert overload.refuses_unread("m", 0.035)
     assert not overload.refuses_unread("other", 10.0)  # no budget: never seen here
-    overload.lag_s = KEEPING_UP_S
-    assert not overload.refuses_unread("m", 10.0)  # a loop that keeps up refuses nothing
-    assert overload.refused_unread == 1
+    overload.lag_s = KEEPING_UP_S  # the refusals brought the lag down: still judged
+    assert overload.refuses_unread("m", 0.035)
+    assert not overload.refuses_unread("m", 0.025)
+    assert overload.refused_unread == 2
+
+
+def test_a_loop_that_keeps_up_and_refused_nothing_lately_refuses_nothing() -> None:
+    overload = Overload(lag_s=KEEPING_UP_S, probe_s=3600.0)
+    overload.learn("m", config())
+    overload.check("m", 1.0)
+    assert not overload.refuses_unread("m", 10.0)
+    assert overload.refused_unread == 0
