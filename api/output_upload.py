@@ -31,6 +31,9 @@ from batching.output_refs import (
 
 TOKENS_DRAWN = 256
 """Tokens' worth of random bytes taken from the OS at once."""
+OFFER_S = 10.0
+"""An upload's items must all arrive within this long of its head (before any token is
+checked, a trickle must not hold the connection's thread)."""
 
 
 @dataclass(slots=True)
@@ -49,6 +52,8 @@ class _Accepted:
     ids: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     """Per accepted item, in order: the id it goes to and its length."""
+    expiry_ms: int = 0
+    """The latest deadline of the requests accepted: their bytes are of no use after."""
 
 
 class Uploads:
@@ -94,15 +99,19 @@ class Uploads:
         for rid, _, length in items:
             totals[rid] = totals.get(rid, 0) + length
         verdict: dict[int, int] = {}
+        expiries: dict[int, int] = {}
         with self._lock:
             for rid, token, _ in items:
                 if rid not in verdict:
                     verdict[rid] = self._verdict(rid, token, totals[rid], now_ms)
+                    if verdict[rid] == 0:
+                        expiries[rid] = self._slots[rid].expiry_ms
         accepted = _Accepted()
         for rid, _, length in items:
             if verdict[rid] == 0:
                 accepted.ids.append(rid)
                 accepted.lengths.append(length)
+                accepted.expiry_ms = max(accepted.expiry_ms, expiries[rid])
         return [verdict[rid] for rid, _, _ in items], accepted
 
     def _verdict(self, rid: int, token: bytes, total: int, now_ms: float) -> int:
@@ -133,16 +142,23 @@ class Uploads:
 
     def receive(self, sock: socket.socket, count: int) -> None:
         """One upload on ``sock`` of ``count`` items, its ``CVU1`` head already read:
-        answered, its accepted bytes stored (api/bytes_endpoint.py calls it)."""
+        answered, its accepted bytes stored (api/bytes_endpoint.py calls it). Its items
+        must arrive within ``OFFER_S``, its bytes before the latest deadline of the
+        requests they are for; else :class:`TimeoutError`."""
         if count > MAX_ITEMS:
             raise ValueError("an upload of too many tensors")
-        body = _recv_exactly(sock, ITEM.size * count)
-        items = [ITEM.unpack_from(body, ITEM.size * i) for i in range(count)]
-        statuses, accepted = self.accept(items)
-        sock.sendall(UPLOAD_MAGIC + b"".join(STATUS.pack(s) for s in statuses))
-        if not accepted.ids:
-            return
-        body = _recv_exactly(sock, sum(accepted.lengths))
+        stall = sock.gettimeout()
+        try:
+            body = _recv_exactly(sock, ITEM.size * count, time.monotonic() + OFFER_S, stall)
+            items = [ITEM.unpack_from(body, ITEM.size * i) for i in range(count)]
+            statuses, accepted = self.accept(items)
+            sock.sendall(UPLOAD_MAGIC + b"".join(STATUS.pack(s) for s in statuses))
+            if not accepted.ids:
+                return
+            until = time.monotonic() + accepted.expiry_ms / 1000.0 - time.time()
+            body = _recv_exactly(sock, sum(accepted.lengths), until, stall)
+        finally:
+            sock.settimeout(stall)
         parts, at = [], 0
         for length in accepted.lengths:
             parts.append(bytes(body[at:at + length]))  # what the answer's encoders take
@@ -151,13 +167,18 @@ class Uploads:
         sock.sendall(HEAD.pack(UPLOAD_MAGIC, len(parts)))
 
 
-def _recv_exactly(sock: socket.socket, size: int) -> memoryview:
+def _recv_exactly(sock: socket.socket, size: int, until: float, stall: float | None
+                  ) -> memoryview:
     """``size`` bytes, received in place into one buffer (not zeroed first: every byte is
-    received into it)."""
+    received into it) by ``until`` (monotonic), each read within ``stall``."""
     view = np.empty(size, np.uint8).data
     got = 0
     flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < size:
+        left = until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("an upload that did not arrive in time")
+        sock.settimeout(left if stall is None else min(left, stall))
         n = sock.recv_into(view[got:], size - got, flags)
         if n == 0:
             raise ConnectionError("the inference process closed the connection mid-upload")
