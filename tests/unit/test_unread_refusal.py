@@ -62,16 +62,17 @@ def test_only_an_adaptive_lifo_model_has_a_budget(model: ModelConfig,
 def test_behind_a_request_that_waited_too_long_is_refused_and_one_in_time_is_not() -> None:
     overload = Overload(lag_s=2 * KEEPING_UP_S, probe_s=3600.0)
     overload.learn("m", config())
-    overload.answered("m", 0.02)
-    assert not overload.refuses_unread("m", 0.035)  # none went through yet: a probe
+    overload.answered("m", 0.04)
+    assert overload.refuses_unread("m", 0.030)  # a probe is due, but it waited too long
+    assert not overload.refuses_unread("m", 0.020)  # 20 + 40 ms, but a probe: it goes
     overload.check("m", 1.0)  # it went through
-    assert not overload.refuses_unread("m", 0.025)  # 25 + 20 ms: within 50
-    assert overload.refuses_unread("m", 0.035)
+    assert overload.refuses_unread("m", 0.020)
+    assert not overload.refuses_unread("m", 0.005)  # 5 + 40 ms: within 50
     assert not overload.refuses_unread("other", 10.0)  # no budget: never seen here
     overload.lag_s = KEEPING_UP_S  # the refusals brought the lag down: still judged
-    assert overload.refuses_unread("m", 0.035)
-    assert not overload.refuses_unread("m", 0.025)
-    assert overload.refused_unread == 2
+    assert overload.refuses_unread("m", 0.020)
+    assert not overload.refuses_unread("m", 0.005)
+    assert overload.refused_unread == 3
 
 
 def test_a_loop_that_keeps_up_and_refused_nothing_lately_refuses_nothing() -> None:
