@@ -44,9 +44,11 @@ def test_saturating_priority_one_does_not_starve_priority_three(
     """Two rows per 100 ms batch, 16 closed-loop priority-1 clients: the device never
     idles and level 1 always has rows waiting. The priority-3 requests have another shape,
     so they never ride along in a priority-1 batch. Each still starts within
-    max_priority_wait_ms plus the batch running when it aged. Counted in batches run
-    before it (the model's log), the bound holds on a busy host too: a slow host runs
-    fewer batches in that time, never more. Strict priority would hold them until the
+    max_priority_wait_ms plus the batch running when it aged. Counted in the batches that
+    started between its admission (its stream entry's id says when) and its own start (the
+    model logs when each batch started), the bound holds on a busy host too: a slow host
+    runs fewer batches in that time, never more, and however late the client's request
+    reaches the API, its wait starts there. Strict priority would hold them until the
     flood stops (it runs up to 20 s, some 200 batches)."""
     wait_ms, batch_s = 800, 0.1
     executed = tmp_path / "executed.log"
@@ -59,16 +61,30 @@ outputs:
   - {{name: batch_rows, datatype: INT64, shape: [-1, 1]}}
 batching: {{max_queue_delay_us: 0, adaptive: false}}
 queue: {{max_priority_wait_ms: {wait_ms}}}
-parameters: {{delay_ms: {int(batch_s * 1000)}}}
+parameters: {{delay_ms: {int(batch_s * 1000)}, log_starts: 1}}
 """), ECHO_LOG=str(executed))
     stack.add_api()
     stack.add_worker()
     stack.wait_ready()
+    client = stack.redis()
+    low_stream = f"{stack.prefix}:{{aging}}:q:3"
     stop = threading.Event()
     flood_deadline = time.monotonic() + 20
 
-    def rows_run() -> list[str]:
-        return executed.read_text().split() if executed.exists() else []
+    def starts() -> list[tuple[float, str]]:
+        """(when its batch started, value) of every row run so far, in order."""
+        path = Path(f"{executed}.starts")
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [(float(at), value) for at, value in (line.split() for line in lines)]
+
+    def last_queued() -> tuple[int, float]:
+        """How many priority-3 requests have entered their stream, and when the last one
+        did (s since the epoch)."""
+        if not client.exists(low_stream):
+            return 0, 0.0
+        info = client.xinfo_stream(low_stream)
+        last_ms = int(info["last-generated-id"].decode().split("-")[0])
+        return int(info["entries-added"]), last_ms / 1000.0
 
     def flood() -> int:
         sent = 0
@@ -86,26 +102,30 @@ parameters: {{delay_ms: {int(batch_s * 1000)}}}
 
     with ThreadPoolExecutor(20) as pool:
         flooding = [pool.submit(flood) for _ in range(16)]
-        wait_for(lambda: stack.redis().xlen(f"{stack.prefix}:{{aging}}:q:1") >= 6, 20,
+        wait_for(lambda: client.xlen(f"{stack.prefix}:{{aging}}:q:1") >= 6, 20,
                  "priority 1 to saturate the model")
-        lows, before = [], []
+        lows, arrivals = [], []
         for i in range(3):
-            before.append(len(rows_run()))
             lows.append(pool.submit(low, 30.0 + i))
-            time.sleep(0.3)
+            wait_for(lambda: last_queued()[0] == len(lows), 30, f"priority-3 request {i} queued")
+            arrivals.append(last_queued()[1])
+            # The next one arrives three batches later: they age at different moments.
+            wait_for(lambda: sum(at >= arrivals[-1] for at, _ in starts()) >= 6, 30,
+                     "three batches to start after it")
         for f in lows:
             f.result()
         still_flooding = time.monotonic() < flood_deadline
         stop.set()
         assert sum(f.result() for f in flooding) > 0
     assert still_flooding, "the flood ended before priority 3 was served: nothing was shown"
-    run = rows_run()
-    ahead = [run.index(f"{30 + i}") - before[i] for i in range(3)]
-    # Rows run between a request's arrival and its start: the batches of its wait, the
-    # one running when it aged and the one running when it arrived, two rows each, and
-    # one more batch for the time between counting and the request's admission (over
-    # 100 ms on a busy host: a CI run counted 21 rows against 20).
-    bound_rows = 2 * (round(wait_ms / 1000 / batch_s) + 3)
+    run = starts()
+    values = [value for _, value in run]
+    ahead = [sum(at >= arrivals[i] for at, _ in run[:values.index(f"{30 + i}")])
+             for i in range(3)]
+    # Rows that started between a request's admission and its own start: the batches of
+    # its wait and the one running when it aged, two rows each, and one more batch: the
+    # first to start after its admission may have been formed before the worker read it.
+    bound_rows = 2 * (round(wait_ms / 1000 / batch_s) + 2)
     assert max(ahead) <= bound_rows, (ahead, bound_rows)
 
 
