@@ -149,7 +149,7 @@ class Dispatcher:
             reply = await fut
             if lone and reply.exec_ms > 0:
                 self._lone.note_exec(admission.rows_key, reply.exec_ms / 1e3)
-            if offer is not None and self.outputs is not None:
+            if self.outputs is not None:
                 self.outputs.resolve(offer, reply)
             return reply
         except asyncio.CancelledError:

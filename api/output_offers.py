@@ -54,17 +54,18 @@ class OutputOffers:
         request.params[OFFER] = offer.pack()
         return offer
 
-    def resolve(self, offer: Offer, reply: Reply) -> None:
+    def resolve(self, offer: Offer | None, reply: Reply) -> None:
         """``reply``'s uploaded outputs replaced by their bytes; :class:`ConveyorError`
-        (500 / ``INTERNAL``) if this process holds no such upload: never other bytes."""
+        (500 / ``INTERNAL``) if this process holds no such upload (``offer`` None: the
+        request was offered none): never other bytes, nor none."""
         named = [t for t in reply.outputs if is_output_ref(t.ref)]
         if not named:
             return
-        parts = self.uploads.take(offer.id)
+        parts = None if offer is None else self.uploads.take(offer.id)
         for tensor in named:
             assert tensor.ref is not None
             rid, index, length = tensor.ref
-            if (parts is None or rid != offer.id or not isinstance(index, int)
+            if (parts is None or offer is None or rid != offer.id or not isinstance(index, int)
                     or not 0 <= index < len(parts) or len(parts[index]) != length):
                 raise ConveyorError(
                     f"the reply's output {tensor.name!r} names bytes uploaded to this API "

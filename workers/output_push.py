@@ -46,8 +46,10 @@ class _Upload:
 class OutputPush:
     """One inference process's uploads: one kept connection per bytes endpoint, each
     upload within ``timeout_s`` (``CONVEYOR_TENSOR_FETCH_TIMEOUT_S``; TLS checked against
-    ``CONVEYOR_TENSOR_FETCH_CA_FILE``). An endpoint that could not be reached is not tried
-    again for ``timeout_s``: its outputs stay in the replies meanwhile."""
+    ``CONVEYOR_TENSOR_FETCH_CA_FILE``). An endpoint that could not be reached, or whose
+    upload failed (an API process that accepts connections but stalls would otherwise hold
+    every batch's answer for ``timeout_s``), is not tried again for ``timeout_s``: its
+    outputs stay in the replies meanwhile."""
 
     def __init__(self, timeout_s: float | None = None, tls: ssl.SSLContext | None = None
                  ) -> None:
@@ -112,9 +114,11 @@ class OutputPush:
                 self._links.pop(where, None)
                 link.close()
                 if not (kept and isinstance(exc, ConnectionError)):
+                    self._down[where] = time.monotonic() + self._timeout_s
                     self._taking.discard(where)
-                    log.warning("large outputs of %d requests go through Redis: their "
-                                "upload to %s failed: %s", len(uploads), where, exc)
+                    log.warning("large outputs go through Redis for %.1f s: the upload of "
+                                "%d requests' outputs to %s failed: %s", self._timeout_s,
+                                len(uploads), where, exc)
                     return
         if stored and where not in self._taking:
             self._taking.add(where)

@@ -273,3 +273,40 @@ def test_an_endpoint_that_speaks_tls_takes_uploads_over_tls(tmp_path: Path) -> N
             assert bytes(got.outputs[0].raw) == sent
     finally:
         endpoint.close()
+
+
+def test_an_api_process_that_takes_connections_but_stalls_holds_one_answer_only(
+        endpoint: BytesEndpoint) -> None:
+    offers = _offers(endpoint)
+    stalled = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    try:
+        where = f"tcp://127.0.0.1:{stalled.getsockname()[1]}"
+        push = OutputPush(0.3)
+        for round_ in range(2):
+            answered = _answered(offers, 1, seed=round_)
+            entry, reply, _ = answered[0]
+            entry.request.params[OFFER][0] = where
+            raw = bytes(reply.outputs[0].raw)
+            push.push([(entry, reply)])
+            assert reply.outputs[0].ref is None and bytes(reply.outputs[0].raw) == raw
+        push.close()
+        stalled.settimeout(5)
+        stalled.accept()[0].close()  # the first batch's connection
+        stalled.setblocking(False)
+        with pytest.raises(BlockingIOError):  # the second batch did not wait on it again
+            stalled.accept()
+    finally:
+        stalled.close()
+
+
+def test_a_reply_naming_an_upload_for_a_request_offered_none_is_an_internal_error(
+        endpoint: BytesEndpoint) -> None:
+    offers = _offers(endpoint)
+    reply = Reply("a", [Tensor("mask", "FP32", (1, WIDTH), b"", [1, 0, WIDTH * 4]),
+                        Tensor.from_array("score", np.zeros((1, 1), np.float32))])
+    with pytest.raises(ConveyorError) as caught:
+        offers.resolve(None, _through_redis(reply))
+    assert caught.value.code == "internal" and "'mask'" in caught.value.message
+    plain = Reply("b", [Tensor.from_array("score", np.ones((1, 1), np.float32))])
+    offers.resolve(None, plain)
+    assert plain.outputs[0].raw == np.ones((1, 1), np.float32).tobytes()
