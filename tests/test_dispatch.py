@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,6 +19,7 @@ from batching.envelope import FIELD, Reply, Request, Tensor
 from batching.errors import Overloaded, Unavailable
 from batching.keys import Keys
 from batching.resp import Address, RespError, open_link
+from tests.dispatcher_run import run_dispatcher
 from tests.procs import RedisServer, wait_for
 
 KEYS = Keys("td")
@@ -30,25 +31,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("dispatch"))
     yield server
     server.stop()
-
-
-def run(server: RedisServer, body: Callable[[Dispatcher, aioredis.Redis], Awaitable[None]],
-        busy_poll_s: float = 0.0) -> None:
-    async def main() -> None:
-        dispatcher = Dispatcher(server.url, KEYS, busy_poll_s)
-        client = aioredis.Redis.from_url(server.url)
-        await client.flushdb()
-        await dispatcher.start()
-        try:
-            for _ in range(100):
-                if dispatcher._writer is not None:
-                    break
-                await asyncio.sleep(0.01)
-            await body(dispatcher, client)
-        finally:
-            await dispatcher.close()
-            await client.aclose()
-    asyncio.run(main())
 
 
 def request(dispatcher: Dispatcher, rows: int = 1) -> Request:
@@ -126,7 +108,7 @@ def test_requests_are_admitted_and_answered_by_id(server: RedisServer) -> None:
         assert [s.id for s in served] == [first.id, second.id]
         assert [r.id for r in replies] == [first.id, second.id]
         assert [r.batch_rows for r in replies] == [1, 3]
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_request_whose_client_left_within_its_tick_is_never_admitted(server: RedisServer) -> None:
@@ -147,7 +129,7 @@ def test_a_request_whose_client_left_within_its_tick_is_never_admitted(server: R
         assert await client.xlen(STREAM) == 0
         assert int(cast(bytes, await client.get(KEYS.rows_waiting("m")))) == 2  # warm's, kept's
         assert await client.hget(KEYS.stats("m"), "withdrawn_count") is None  # nothing to undo
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_tick_of_many_requests_is_written_in_chunks(server: RedisServer) -> None:
@@ -172,7 +154,7 @@ def test_a_tick_of_many_requests_is_written_in_chunks(server: RedisServer) -> No
         served = [await serve_one(client) for _ in sent]
         assert [s.id for s in served] == [r.id for r in sent]
         assert [r.id for r in await asyncio.gather(*waiting)] == [r.id for r in sent]
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 async def ids_in(client: aioredis.Redis, stream: str) -> list[str]:
@@ -215,7 +197,7 @@ def test_a_write_admits_each_streams_requests_in_one_script_call(server: RedisSe
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_within_one_call_each_request_is_held_to_the_rows_admitted_before_it(
@@ -238,7 +220,7 @@ def test_within_one_call_each_request_is_held_to_the_rows_admitted_before_it(
         for task in (waiting[0], waiting[2]):
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_full_queue_is_refused_without_writing(server: RedisServer) -> None:
@@ -247,7 +229,7 @@ def test_a_full_queue_is_refused_without_writing(server: RedisServer) -> None:
         with pytest.raises(Overloaded, match="99 rows waiting, limit 100"):
             await dispatcher.submit(admission(2, 100), request(dispatcher, 2), 5)
         assert await client.xlen(STREAM) == 0
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_counter_below_zero_still_admits(server: RedisServer) -> None:
@@ -257,7 +239,7 @@ def test_a_counter_below_zero_still_admits(server: RedisServer) -> None:
         waiting = asyncio.ensure_future(dispatcher.submit(admission(), sent, 5))
         assert (await serve_one(client)).id == sent.id
         assert (await waiting).id == sent.id  # not a queue-full error for a queued request
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_flushed_script_cache_is_refilled(server: RedisServer) -> None:
@@ -268,7 +250,7 @@ def test_a_flushed_script_cache_is_refilled(server: RedisServer) -> None:
         assert (await serve_one(client)).id == sent.id
         assert (await waiting).id == sent.id
         assert (await client.script_exists(REQUEST_ADMIT.sha)) == [True]
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_lone_request_is_marked_and_polled_for(server: RedisServer) -> None:
@@ -282,7 +264,7 @@ def test_a_lone_request_is_marked_and_polled_for(server: RedisServer) -> None:
         assert [s.params.get("lone") for s in served] == [1, None]
         await asyncio.sleep(0.01)
         assert not dispatcher._lone.polling  # nothing in flight: the loop sleeps again
-    run(server, body, busy_poll_s=1.0)
+    run_dispatcher(server, KEYS, body, busy_poll_s=1.0)
 
 
 def test_the_poll_waits_out_most_of_a_slow_models_run(server: RedisServer,
@@ -304,7 +286,7 @@ def test_the_poll_waits_out_most_of_a_slow_models_run(server: RedisServer,
     async def body(dispatcher: Dispatcher, client: aioredis.Redis) -> None:
         assert await lone_request(dispatcher, client) > 0  # no record yet: polled at once
         assert await lone_request(dispatcher, client) == 0  # 200 ms models: not yet
-    run(server, body, busy_poll_s=1.0)
+    run_dispatcher(server, KEYS, body, busy_poll_s=1.0)
 
 
 def test_a_fast_models_lone_request_is_polled_for_even_after_a_slow_ones(
@@ -328,7 +310,7 @@ def test_a_fast_models_lone_request_is_polled_for_even_after_a_slow_ones(
         assert yields[0] > 0  # polled at once, not 400 ms later
         await serve_one(client)
         await waiting
-    run(server, body, busy_poll_s=1.0)
+    run_dispatcher(server, KEYS, body, busy_poll_s=1.0)
 
 
 def test_without_busy_polling_a_lone_request_is_marked_and_not_polled_for(
@@ -341,7 +323,7 @@ def test_without_busy_polling_a_lone_request_is_marked_and_not_polled_for(
         assert not dispatcher._lone.polling
         assert (await serve_one(client)).params.get("lone") == 1
         await waiting
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_losing_redis_fails_waiting_requests_then_reconnects(server: RedisServer) -> None:
@@ -363,7 +345,7 @@ def test_losing_redis_fails_waiting_requests_then_reconnects(server: RedisServer
         assert (await serve_one(fresh)).id == sent.id
         assert (await again).id == sent.id
         await fresh.aclose()
-    run(server, body)
+    run_dispatcher(server, KEYS, body)
 
 
 def test_a_redis_client_that_fails_to_close_does_not_stop_the_shutdown(

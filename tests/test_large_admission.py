@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import numpy as np
@@ -18,30 +17,13 @@ from api.dispatch import Admission, Dispatcher
 from batching.envelope import FIELD, Reply, Request, Tensor
 from batching.errors import DeadlineExceeded, Overloaded
 from batching.keys import Keys
+from tests.dispatcher_run import run_dispatcher
 from tests.procs import RedisServer
 from workers.reconcile import RowsReconciler
 
 KEYS = Keys("tla")
 STREAM = KEYS.queue("m", 1)
 ROWS = KEYS.rows_waiting("m")
-
-
-def run(server: RedisServer, body: Callable[[Dispatcher, aioredis.Redis], Awaitable[None]],
-        lean: bool = True) -> None:
-    async def main() -> None:
-        dispatcher = Dispatcher(server.url, KEYS, lean=lean)
-        client = aioredis.Redis.from_url(server.url)
-        await client.delete(STREAM, ROWS)
-        await dispatcher.start()
-        try:
-            deadline = time.monotonic() + 10
-            while dispatcher._writer is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            await body(dispatcher, client)
-        finally:
-            await dispatcher.close()
-            await client.aclose()
-    asyncio.run(main())
 
 
 def request(dispatcher: Dispatcher, rows: int = 1, width: int = LARGE_ENTRY_BYTES) -> Request:
@@ -95,7 +77,7 @@ def test_a_large_request_reaches_redis_in_no_script(redis_server: RedisServer,
         large_adds = [c for c in seen if c["command"].startswith("XADD")
                       and len(c["command"]) > LARGE_ENTRY_BYTES]
         assert [c["client_type"] for c in large_adds] == ["tcp"]
-    run(redis_server, body, lean)
+    run_dispatcher(redis_server, KEYS, body, lean=lean)
 
 
 def test_a_full_queue_refuses_a_large_request_without_writing(redis_server: RedisServer) -> None:
@@ -111,7 +93,7 @@ def test_a_full_queue_refuses_a_large_request_without_writing(redis_server: Redi
         assert (await serve_one(client)).id == sent.id
         assert (await waiting).id == sent.id
         assert await client.get(ROWS) == b"100"
-    run(redis_server, body)
+    run_dispatcher(redis_server, KEYS, body)
 
 
 def test_a_counter_below_zero_still_admits_a_large_request(redis_server: RedisServer) -> None:
@@ -121,7 +103,7 @@ def test_a_counter_below_zero_still_admits_a_large_request(redis_server: RedisSe
         waiting = asyncio.ensure_future(dispatcher.submit(Admission(STREAM, ROWS, 1, 1), sent, 5))
         assert (await serve_one(client)).id == sent.id
         assert (await waiting).id == sent.id
-    run(redis_server, body)
+    run_dispatcher(redis_server, KEYS, body)
 
 
 def test_a_request_given_up_before_its_reservation_answered_is_never_appended(
@@ -138,7 +120,7 @@ def test_a_request_given_up_before_its_reservation_answered_is_never_appended(
             await asyncio.sleep(0.01)
         assert int(await client.get(ROWS) or 0) == 0
         assert await client.xlen(STREAM) == 0
-    run(redis_server, body)
+    run_dispatcher(redis_server, KEYS, body)
 
 
 def test_rows_reserved_by_an_api_that_died_before_appending_are_reconciled(
@@ -168,4 +150,4 @@ def test_the_large_requests_reserved_in_one_write_are_appended_in_one(
         assert {(await serve_one(client)).id for _ in sent} == {r.id for r in sent}
         assert {r.id for r in await asyncio.gather(*waiting)} == {r.id for r in sent}
         assert prepared == [["EVAL"] * 3, ["XADD"] * 3]
-    run(redis_server, body)
+    run_dispatcher(redis_server, KEYS, body)
