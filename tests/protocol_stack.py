@@ -52,10 +52,17 @@ def write_onnx_model(folder: Path) -> Path:
     return path
 
 
+def copied_repository(root: Path, *folders: Path) -> Path:
+    """``root``, a model repository of a test's own, holding a copy of each of ``folders``
+    under its name."""
+    for folder in folders:
+        shutil.copytree(folder, root / folder.name)
+    return root
+
+
 def build_repository(root: Path) -> Path:
-    shutil.copytree(PROTOCOL_MODELS / "alltypes", root / "alltypes")
-    for name in ("echo", "slow"):
-        shutil.copytree(TEST_MODELS / name, root / name)
+    copied_repository(root, PROTOCOL_MODELS / "alltypes", TEST_MODELS / "echo",
+                      TEST_MODELS / "slow")
     write_onnx_model(root / "onnx_mlp")
     return root
 

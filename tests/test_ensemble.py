@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import Stack
 from tests.procs import ROOT, RedisServer, wait_for
-from tests.protocol_stack import PROTOCOL_MODELS, grpc_url, http_host, protocol_stack
+from tests.protocol_stack import PROTOCOL_MODELS, copied_repository, grpc_url, http_host, protocol_stack
 
 MODELS = ROOT / "tests" / "ensemble_models"
 WEIGHTS = np.random.default_rng(3).normal(size=(64, 10)).astype(np.float32)
@@ -30,10 +29,8 @@ WEIGHTS = np.random.default_rng(3).normal(size=(64, 10)).astype(np.float32)
 @pytest.fixture(scope="module")
 def stack(redis_server: RedisServer, logdir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("ensemble-repo")
-    for folder in MODELS.iterdir():
-        shutil.copytree(folder, root / folder.name)
-    shutil.copytree(PROTOCOL_MODELS / "simple", root / "simple")
+    root = copied_repository(tmp_path_factory.mktemp("ensemble-repo"), *MODELS.iterdir(),
+                             PROTOCOL_MODELS / "simple")
     (root / "broken").mkdir()  # its first step's model is not in the repository
     text = (MODELS / "add_sub_twice" / "config.pbtxt").read_text()
     (root / "broken" / "config.pbtxt").write_text(

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import Stack
 from tests.procs import ROOT, RedisServer
-from tests.protocol_stack import protocol_stack
+from tests.protocol_stack import copied_repository, protocol_stack
 
 MODELS = ROOT / "tests" / "bls_models"
 
@@ -24,9 +24,7 @@ MODELS = ROOT / "tests" / "bls_models"
 def stack(redis_server: RedisServer, logdir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """twice, sleepy, caller (one call at a time) and caller_async (two at once)."""
-    root = tmp_path_factory.mktemp("bls-repo")
-    for folder in MODELS.iterdir():
-        shutil.copytree(folder, root / folder.name)
+    root = copied_repository(tmp_path_factory.mktemp("bls-repo"), *MODELS.iterdir())
     shutil.copytree(MODELS / "caller", root / "caller_async")
     config = root / "caller_async" / "config.yaml"
     config.write_text(config.read_text().replace("mode: sync", "mode: async"))

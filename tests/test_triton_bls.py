@@ -4,7 +4,6 @@ worker over tests/bls_models (Redis real)."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ from batching import bls
 from batching.errors import ModelFailure, ModelNotFound, call_failed
 from tests.conftest import Stack
 from tests.procs import RedisServer
-from tests.protocol_stack import protocol_stack
+from tests.protocol_stack import copied_repository, protocol_stack
 from tests.test_model_calls import MODELS, infer, outputs
 from workers.triton_python import utils_module
 
@@ -26,9 +25,7 @@ from workers.triton_python import utils_module
 @pytest.fixture(scope="module")
 def stack(redis_server: RedisServer, logdir: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("triton-bls-repo")
-    for folder in MODELS.iterdir():
-        shutil.copytree(folder, root / folder.name)
+    root = copied_repository(tmp_path_factory.mktemp("triton-bls-repo"), *MODELS.iterdir())
     yield from protocol_stack(redis_server, logdir, root)
 
 
