@@ -6,16 +6,27 @@ many threads beside the event loop's offers and frees each store their own bytes
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+import tracemalloc
+from typing import cast
 
 import pytest
 
 import api.output_upload
 from api.bytes_endpoint import BytesEndpoint
 from api.output_upload import Uploads
-from batching.output_refs import HEAD, ITEM, STATUS, UPLOAD_MAGIC, Offer, UploadRefusal
+from batching.output_refs import (
+    HEAD,
+    ITEM,
+    MAX_ITEMS,
+    STATUS,
+    UPLOAD_MAGIC,
+    Offer,
+    UploadRefusal,
+)
 
 PATIENCE_S = 30.0
 """How long a test waits for the endpoint to act: far past any bound it tests."""
@@ -104,6 +115,43 @@ def test_a_length_past_any_bound_is_refused_unread_and_the_connection_goes_on(
     assert HEAD.unpack(_recv(sock, HEAD.size)) == (UPLOAD_MAGIC, 2)
     sock.close()
     assert uploads.take(other.id) == [b"abc"] and uploads.take(offer.id) == [b"de"]
+
+
+class _Silent:
+    """A peer that sent ``data`` and reads no answer: the memory the endpoint holds, traced,
+    at each answer it sends (where a real peer that does not read would hold it)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self.held: list[int] = []
+
+    def gettimeout(self) -> float:
+        return 10.0
+
+    def settimeout(self, timeout: float | None) -> None:
+        pass
+
+    def recv_into(self, view: memoryview, size: int, flags: int = 0) -> int:
+        size = min(size, len(self._data))
+        view[:size], self._data = self._data[:size], self._data[size:]
+        return size
+
+    def sendall(self, data: bytes) -> None:
+        self.held.append(tracemalloc.get_traced_memory()[0] - len(data))
+
+
+def test_an_answer_to_many_forged_items_holds_none_of_them() -> None:
+    uploads = Uploads(1024)
+    peer = _Silent(b"".join(ITEM.pack(i, os.urandom(16), 1 << 20) for i in range(MAX_ITEMS)))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        uploads.receive(cast(socket.socket, peer), MAX_ITEMS)
+    finally:
+        tracemalloc.stop()
+    # Parsed, the items took some 900 KB; what stays is the interpreter's free list of
+    # tuples (2,000 at most, 125 KB, one for the whole process) and their answer.
+    assert len(peer.held) == 1 and peer.held[0] - before < 300_000, peer.held[0] - before
 
 
 def test_an_upload_cut_short_stores_nothing_and_the_endpoint_serves_on(
