@@ -7,9 +7,13 @@ header against two regular expressions and writes the head and the body separate
 protocol (:mod:`api.http_guard`) leaves each request's uvicorn cycle in its scope under
 :data:`CYCLE`, and the route uses it:
 
+- :func:`collect_body`: the cycle gathers its body as :class:`BodyPieces`, which keeps
+  each large piece the parser hands it as it is, where uvicorn's ``bytearray`` copied
+  each piece in and ``bytes()`` copied the whole out again.
 - :func:`ready_body`: the body, when all of it has arrived before the route asks and
-  nothing else has read it (the usual small request); otherwise the route reads it with
-  ``receive()``, flow control and ``100 Continue`` included.
+  nothing else has read it (the usual request); a body that came in one large piece is
+  that piece, not a copy. Otherwise the route reads it with ``receive()``, flow control
+  and ``100 Continue`` included.
 - :func:`write_response`: a whole response with a ``Content-Length``, its status line,
   headers and body in one ``transport.write``, and the cycle completed as uvicorn's own
   ``send`` completes it (keep-alive or close, the next pipelined request started).
@@ -30,6 +34,11 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCy
 CYCLE = "conveyor.cycle"
 """Scope key of the request's :class:`RequestResponseCycle`."""
 
+KEEP_BYTES = 8 * 1024
+"""A piece of a body at least this large is kept as the parser made it; smaller ones are
+gathered into one ``bytearray``, so that a body trickling in a byte at a time holds no
+more than a body should."""
+
 _defaults: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
 """The server's default headers (``date``, ``server``) last written, and their bytes.
 uvicorn replaces the list once a second with the new date."""
@@ -38,6 +47,42 @@ uvicorn replaces the list once a second with the new date."""
 def cycle_of(scope: MutableMapping[str, Any]) -> RequestResponseCycle | None:
     cycle = scope.get(CYCLE)
     return cycle if isinstance(cycle, RequestResponseCycle) else None
+
+
+class BodyPieces:
+    """What a cycle's ``body`` does for uvicorn (``+=`` a piece, ``len``, ``bytes``, all of
+    it), without copying the large pieces in: ``bytes()`` of one large piece is that piece."""
+
+    __slots__ = ("_pieces", "_size")
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes | bytearray] = []
+        self._size = 0
+
+    def __iadd__(self, piece: bytes) -> BodyPieces:
+        self._size += len(piece)
+        pieces = self._pieces
+        if len(piece) >= KEEP_BYTES:
+            pieces.append(piece)
+        elif pieces and isinstance(pieces[-1], bytearray):
+            pieces[-1] += piece
+        else:
+            pieces.append(bytearray(piece))
+        return self
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        pieces = self._pieces
+        if len(pieces) == 1:
+            return bytes(pieces[0])  # a bytes piece itself; a bytearray copied
+        return b"".join(pieces)
+
+
+def collect_body(cycle: RequestResponseCycle) -> None:
+    """Have ``cycle`` gather its body as :class:`BodyPieces` (before any of it arrives)."""
+    cycle.body = BodyPieces()  # type: ignore[assignment]
 
 
 def ready_body(cycle: RequestResponseCycle) -> bytes | None:

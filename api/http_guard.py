@@ -55,7 +55,7 @@ from uvicorn.server import ServerState
 
 from api import body_timeouts
 from api.coalesce import CoalescingTransport
-from api.http_direct import CYCLE
+from api.http_direct import CYCLE, collect_body
 from api.overload import active
 from batching.errors import ConveyorError, HeadersTooLarge, InvalidInput, RequestTimeout
 from batching.settings import Settings
@@ -221,6 +221,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # a cycle of this request's
             self.scope[CYCLE] = cycle  # type: ignore[literal-required]
+            collect_body(cycle)
             if framed_twice:
                 cycle.keep_alive = False
 

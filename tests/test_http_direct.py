@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from api.http_direct import cycle_of, ready_body, write_response
+from api.http_direct import KEEP_BYTES, BodyPieces, cycle_of, ready_body, write_response
 from api.http_guard import ConnectionLimits
 from tests.guarded_server import guarded_server, responses, send_whole
 
@@ -29,6 +29,7 @@ async def echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     cycle = cycle_of(scope)
     assert cycle is not None
+    assert isinstance(cycle.body, BodyPieces)  # gathered without copying large pieces in
     body = ready_body(cycle)
     how = b"ready:"
     if body is None:
@@ -65,6 +66,16 @@ def test_a_body_that_has_arrived_is_taken_and_answered_with_the_usual_headers(po
             assert b"content-type: text/plain" in lines
             assert any(line.startswith(b"date: ") for line in lines)
             assert b"connection: close" not in lines
+
+
+def test_a_chunked_body_of_large_and_small_pieces_is_taken_whole(port: int) -> None:
+    pieces = [b"x" * KEEP_BYTES, b"y", b"zz", b"w" * (KEEP_BYTES + 1), b"v"]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + chunked)
+        (_, body), = responses(sock, 1)
+        assert body.split(b":", 1)[1] == b"".join(pieces)
 
 
 def test_a_body_that_comes_later_is_received(port: int) -> None:
