@@ -306,6 +306,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """The refused request's body has been read past: answer it."""
         self._refusing = False
         self.server_state.total_requests += 1
+        overload, found = active(self.loop), INFER_URL.match(self.url)
+        if overload is not None and found is not None:  # counted with the API's 503s
+            overload.refusal_answered(found.group(1).decode("ascii"), time.perf_counter()
+                                      - self.scope[RECEIVED_AT])  # type: ignore[literal-required]
         if not self.parser.should_keep_alive():
             self.transport.write(UNREAD_REFUSAL_CLOSE)
             self.transport.close()

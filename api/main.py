@@ -113,7 +113,7 @@ def create_app(settings: Settings | None = None, dispatcher: DispatchPort | None
         if endpoint is not None:
             endpoint.start()
         memory.start()
-        service.overload.start()
+        service.overload.start(service.metrics.refused)
         if grpc_endpoint is not None:
             await grpc_endpoint.start()
         log.info("conveyor API serving %s from %s", sorted(models), settings.model_repository)

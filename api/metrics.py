@@ -25,7 +25,7 @@ from api import metric_defs as d
 from api.metric_defs import MetricDef
 from api.metrics_shared import SharedState
 from batching.config import ModelConfig
-from batching.errors import from_code
+from batching.errors import Overloaded, from_code
 from batching.histograms import BATCH_BUCKETS, LATENCY_BUCKETS
 from batching.keys import Keys
 from batching.process_memory import resident_bytes
@@ -131,6 +131,13 @@ class ApiMetrics:
                 model, self.queue.labels(model), self.batch_size.labels(model),
                 self.in_flight.labels(model), self)
         return series
+
+    def refused(self, model: str, seconds: float) -> None:
+        """A request refused by the HTTP listener before it reached the service (its unread
+        wait, api/overload.py ``refuses_unread``): counted with the API's other 503s."""
+        requests, duration = self.of(model).outcome(Overloaded.code)
+        requests.inc()
+        duration.observe(seconds)
 
     def set_model_states(self, states: Mapping[str, str]) -> None:
         """Every model folder's repository state, as the index reports it."""

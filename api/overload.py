@@ -49,13 +49,18 @@ skipping it for the refused requests took 8% off the API's CPU per offered reque
 Cheaper still, and judged by the wait itself: for a model whose adaptive policy has
 ``batching.overload: lifo``, the HTTP listener refuses a request as soon as its headers
 are parsed (api/http_guard.py: a pre-encoded 503, its body skipped, no task, no Redis)
-when, with the loop behind, the longest it can have waited unread (api/turns.py) plus
-the time this model's requests take here is more than its latency target (or its
-default timeout, when sooner): :meth:`Overload.refuses_unread`. A request that has
-waited that long would be answered late; under first come, first served every request
-of a standing backlog has, so refusing by the timeout only (above) answered nothing in
-time. Refusing those at a fraction of a served request's cost drains the backlog, and
-the loop's turns shorten until what it reads is fresh again.
+in a standing backlog only, as CoDel drops packets: once the requests it reads have
+waited unread (about half the longest they can have, api/turns.py) more than
+``TARGET_SHARE`` of the model's latency target (or its default timeout, when sooner) for
+``STANDING_S`` on end, and until they have waited less for as long, it refuses those
+whose wait plus the time this model's requests take here is more than that budget:
+:meth:`Overload.refuses_unread`. Under first come,
+first served every request of a standing backlog would be answered late, so refusing by
+the timeout only (above) answered nothing in time; refusing those at a fraction of a
+served request's cost drains the backlog. A burst, or a turn the host's scheduler made
+long, waits above the target for less than ``STANDING_S``: nothing is refused for it
+(judged by the longest wait and the loop's lag alone, on a busy 2-core host at half its
+capacity, 13% of the requests had been).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from api.turns import TurnClock
@@ -105,11 +111,38 @@ still seen refused 3,000 times a second (and answered 270 times) for a second or
 time, 2 seconds in 32; over a quarter of one, none in 32 (the worst: 1,009 answered,
 1,392 refused)."""
 
-STAY_S = 0.1
-"""Once the listener refuses, it goes on judging every request by its wait until none was
-refused for this long, the lag notwithstanding: the refusals themselves bring the lag
-down, and a listener that stopped judging then let the backlog grow back within a
-turn or two."""
+UNREAD_SHARE = 0.5
+"""The wait the listener judges a request by, as a share of the longest it can have waited
+unread (api/turns.py): its bytes came at any time in the loop's previous turn, so about
+midway on average; the longest charged each one read in a turn the whole turn before."""
+TARGET_SHARE = 0.25
+"""A wait up to this share of a model's budget is no backlog: no refusal starts."""
+STANDING_S = 0.1
+"""The listener starts refusing a model's requests only once their wait has been above
+``TARGET_SHARE`` of its budget this long on end (a backlog that stands, not a burst or a
+long turn of a preempted process), and stops once it has been below as long: stopped at
+the first fresh read, it let the backlog grow back in the process (its requests read, in
+tasks that wait for the loop) and tests/test_api_shedding.py's served p99 went to 2 s."""
+
+RETURNS_S = 1.0
+"""Within this long of the end of a standing backlog, one is back at the first read above
+the target (CoDel's memory of its last dropping state): past capacity, one that had to
+stand for ``STANDING_S`` again let ``STANDING_S`` of requests in each time."""
+
+
+@dataclass(slots=True)
+class _Run:
+    """The current run of a model's reads on one side of its target."""
+
+    above: bool
+    since: float
+    """When the run began (time.monotonic())."""
+    seen: float
+    """When its latest read was judged."""
+    standing: bool = False
+    """A standing backlog: its requests are judged."""
+    ended: float = float("-inf")
+    """When the latest standing backlog ended."""
 PROBE_WAIT = 0.5
 """A model's probe (one request every ``probe_s`` let through to keep its time measured)
 is let through only if it waited at most this share of the budget: one that waited
@@ -117,8 +150,8 @@ through a long turn would only be served late."""
 DEVIATIONS = 2.0
 """The listener judges a request by the time its model's requests took here plus this many
 mean deviations (the mean alone lets through about as many that end up late as not).
-With ``STAY_S``, in tests/test_api_shedding.py's setting the served p99 went from
-146-150 ms to 108-122 ms, against a target of 100."""
+In tests/test_api_shedding.py's setting the served p99 went from 146-150 ms to
+108-122 ms, against a target of 100."""
 
 _ACTIVE: dict[asyncio.AbstractEventLoop, Overload] = {}
 """The started :class:`Overload` of each event loop, for its HTTP listener."""
@@ -163,12 +196,19 @@ class Overload:
     latency target, or its default timeout when sooner."""
     turns: TurnClock | None = None
     """The loop's turns, once started (api/turns.py)."""
+    standing_s: float = STANDING_S
+    """How long a model's requests wait above its target before the listener refuses."""
+    _runs: dict[str, _Run] = field(default_factory=dict)
+    """Per model, its reads' current run above or below the target."""
     refused_unread: int = 0
     """Requests the listener refused by :meth:`refuses_unread`."""
-    _refused_unread_at: float = float("-inf")
-    """When it last refused one (time.monotonic())."""
+    counts_refusal: Callable[[str, float], None] | None = None
+    """Counts a request the listener refused, once answered (its model, the seconds from
+    its read): with the API's other 503s (api/metrics.py ``ApiMetrics.refused``)."""
 
-    def start(self) -> None:
+    def start(self, counts_refusal: Callable[[str, float], None] | None = None) -> None:
+        """Start on the running loop, its listener's refusals counted by ``counts_refusal``."""
+        self.counts_refusal = counts_refusal
         self._loop = asyncio.get_running_loop()
         self._aged = time.monotonic()
         self.turns = TurnClock(self._loop)
@@ -194,27 +234,56 @@ class Overload:
 
     def refuses_unread(self, model: str, waited_s: float) -> bool:
         """Whether a request for ``model`` whose bytes waited up to ``waited_s`` before
-        their read is to be refused at once: the loop is behind (or one was refused
-        within ``STAY_S``), and that wait plus the time the model's requests take here
-        (with ``DEVIATIONS``) exceeds its budget. One request a model still goes through
-        every ``probe_s``, to keep that time measured, if it waited at most
-        ``PROBE_WAIT`` of the budget."""
+        their read is to be refused at once: in a standing backlog (:meth:`_standing`),
+        its wait plus the time the model's requests take here (with ``DEVIATIONS``)
+        exceeds its budget. One request a model still goes through every ``probe_s``, to keep that
+        time measured, if it waited at most ``PROBE_WAIT`` of the budget."""
         budget = self.unread_budget_s.get(model)
         if budget is None:
             return False
-        self._checked = True  # a request came: the sampler goes on
+        waited = UNREAD_SHARE * waited_s
         now = time.monotonic()
-        if self.lag_s <= KEEPING_UP_S and now - self._refused_unread_at > STAY_S:
+        if not self._standing(model, waited_s, waited, TARGET_SHARE * budget, now):
             return False
         took = self.took_s.get(model, 0.0) + DEVIATIONS * self.took_dev_s.get(model, 0.0)
-        if waited_s + took <= budget:
+        if waited + took <= budget:
             return False
         last = self._passed.get(model)
-        if (last is None or now - last >= self.probe_s) and waited_s <= PROBE_WAIT * budget:
+        if (last is None or now - last >= self.probe_s) and waited <= PROBE_WAIT * budget:
             return False  # a probe, unless its wait alone would make it late
         self.refused_unread += 1
-        self._refused_unread_at = now
         return True
+
+    def _standing(self, model: str, waited_s: float, waited: float, target: float,
+                  now: float) -> bool:
+        """Whether ``model``'s requests are in a standing backlog, with one read now that
+        waited up to ``waited_s`` (judged ``waited``): they have been above ``target`` for
+        ``standing_s`` on end (at once within ``RETURNS_S`` of the end of the last), and
+        not below it as long since. One read above is since its wait passed the target
+        (a turn longer than ``standing_s`` is a backlog that stood); reads further apart
+        than their wait explains (the loop was idle between) are not one run."""
+        above = waited > target
+        run = self._runs.get(model)
+        if run is None or now - run.seen - waited_s > self.standing_s:
+            ended = float("-inf") if run is None else run.ended
+            run = self._runs[model] = _Run(above, now, now, ended=ended)
+        elif run.above != above:
+            run.above, run.since = above, now
+        if above:
+            run.since = min(run.since, now - waited + target)
+        run.seen = now
+        if run.standing != above and (
+                now - run.since >= self.standing_s or now - run.ended < RETURNS_S):
+            run.standing = above
+            if not above:
+                run.ended = now
+        return run.standing
+
+    def refusal_answered(self, model: str, seconds: float) -> None:
+        """The listener answered a request for ``model`` it refused by
+        :meth:`refuses_unread`, ``seconds`` after its read."""
+        if self.counts_refusal is not None:
+            self.counts_refusal(model, seconds)
 
     @property
     def sampling(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from api.http_guard import RECEIVED_AT, ConnectionLimits
+from api.metrics import ApiMetrics
 from api.overload import Overload
 from batching.config import BatchingConfig, ModelConfig
 from batching.errors import Overloaded
@@ -46,11 +47,12 @@ class SlowApi:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self.overload = Overload(probe_s=0.5)
+        self.metrics = ApiMetrics()
         self.served = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self.overload.turns is None:
-            self.overload.start()
+            self.overload.start(self.metrics.refused)
         self.overload.learn("m", self.config)
         while (await receive()).get("more_body"):
             pass
@@ -100,6 +102,9 @@ def test_past_capacity_the_stale_are_refused_fast_and_the_served_stay_in_time(
     assert percentile(served, 0.99) <= TARGET_MS + SLACK_MS, seen
     assert percentile(refused, 0.99) <= TARGET_MS + SLACK_MS, seen
     assert out.lost == 0 and len(served) + len(refused) == out.sent, seen
+    counted = api.metrics.registry.get_sample_value(
+        "conveyor_requests_total", {"model": "m", "outcome": "overloaded"})
+    assert counted == api.overload.refused_unread, seen  # /metrics tells them
 
 
 def test_a_fifo_model_is_never_refused_for_its_unread_wait() -> None:
