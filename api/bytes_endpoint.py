@@ -52,7 +52,11 @@ MAX_CONNECTIONS = 1024
 """Connections one endpoint holds at most (a thread each); more are closed at once."""
 STALL_S = 10.0
 """The longest a connection may stall inside a fetch (its TLS handshake, the rest of a
-request begun, taking the reply): then it is closed."""
+request begun, taking the reply), or wait before its first fetch or upload holding a
+valid reference: then it is closed."""
+IDLE_S = 600.0
+"""The longest a connection that has presented a valid reference may wait between two
+fetches: then it is closed (an inference process connects again when it next fetches)."""
 SENDMSG_PARTS = 512
 """Buffers handed to one ``sendmsg`` at most (the kernel's IOV_MAX is 1024)."""
 
@@ -83,8 +87,9 @@ class BytesEndpoint:
         self.where = ""
         """``tcp://host:port`` or ``tls://host:port``, as references carry it; set by
         :meth:`start`."""
-        self.on_upload: Callable[[socket.socket, int], None] | None = None
-        """What takes an upload of large outputs (api/output_upload.py), its head read."""
+        self.on_upload: Callable[[socket.socket, int], bool] | None = None
+        """What takes an upload of large outputs (api/output_upload.py), its head read:
+        whether it accepted any."""
 
     @property
     def started(self) -> bool:
@@ -164,16 +169,33 @@ class _Server(socketserver.ThreadingTCPServer):
     def __init__(self, endpoint: BytesEndpoint, address: tuple[str, int]) -> None:
         self.endpoint = endpoint
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self._open: set[socket.socket] = set()
+        self._open: dict[socket.socket, bool] = {}
+        """The connections open, oldest first, and whether each has shown a valid
+        reference."""
         self._lock = threading.Lock()
         super().__init__(address, _Connection)
 
+    def prove(self, sock: socket.socket) -> None:
+        """``sock`` has shown a valid reference: a new connection no longer displaces it."""
+        with self._lock:
+            if sock in self._open:
+                self._open[sock] = True
+
     def get_request(self) -> tuple[socket.socket, Any]:
+        """A new connection; with the table full it displaces the oldest that has shown
+        no valid reference, or is closed at once when every one has."""
         sock, peer = self.socket.accept()
         with self._lock:
             full = len(self._open) >= MAX_CONNECTIONS
+            if full:
+                unproven = next((s for s, proven in self._open.items() if not proven), None)
+                if unproven is not None:
+                    del self._open[unproven]
+                    with contextlib.suppress(OSError):
+                        unproven.shutdown(socket.SHUT_RDWR)
+                    full = False
             if not full:
-                self._open.add(sock)
+                self._open[sock] = False
         if full:
             sock.close()
             log.warning("bytes endpoint: refused a connection from %s: %d open already",
@@ -185,7 +207,7 @@ class _Server(socketserver.ThreadingTCPServer):
 
     def shutdown_request(self, request: Any) -> None:
         with self._lock:
-            self._open.discard(request)
+            self._open.pop(request, None)
         super().shutdown_request(request)
 
     def close_connections(self) -> None:
@@ -202,60 +224,87 @@ class _Connection(socketserver.BaseRequestHandler):
     server: _Server
 
     def handle(self) -> None:
+        """Until the connection presents a valid reference it may not wait between
+        messages beyond ``STALL_S``, and a fetch holding none closes it once answered: a
+        peer without references cannot hold the endpoint's connections."""
         endpoint = self.server.endpoint
         sock: socket.socket = self.request
+        proven = False
         try:
             if endpoint.tls is not None:
                 sock = endpoint.tls.wrap_socket(sock, server_side=True)
             while True:
-                items = _read_fetch(sock, endpoint.on_upload)
-                if items is None:
+                fetch = _read_fetch(sock, self._upload if endpoint.on_upload else None,
+                                    IDLE_S if proven else 0.0)
+                if fetch is None:
                     return
+                items, uploaded = fetch
+                proven = proven or uploaded
                 parts = endpoint.serve(items)
+                served = len(parts) > 1  # a valid reference among its items
                 if isinstance(sock, ssl.SSLSocket):
                     for part in parts:
                         sock.sendall(part)
                 else:
                     _send_all(sock, parts)
+                if not (proven or served):
+                    return
+                if served and not proven:
+                    self.server.prove(self.request)
+                proven = proven or served
         except (OSError, ValueError) as exc:
             log.debug("bytes endpoint: a connection ended: %s", exc)
         finally:
             if sock is not self.request:
                 sock.close()
 
+    def _upload(self, sock: socket.socket, count: int) -> bool:
+        """An upload taken by the endpoint's ``on_upload``; one accepted proves the
+        connection."""
+        on_upload = self.server.endpoint.on_upload
+        accepted = on_upload is not None and on_upload(sock, count)
+        if accepted:
+            self.server.prove(self.request)
+        return accepted
 
-def _read_fetch(sock: socket.socket, on_upload: Callable[[socket.socket, int], None] | None
-                ) -> list[tuple[int, bytes]] | None:
-    """The next fetch on ``sock`` (waited for as long as it takes; once begun, each read
-    of it within ``STALL_S``); None when the peer closed it between fetches. An upload of
-    outputs before it (batching/output_refs.py) goes to ``on_upload`` whole."""
+
+def _read_fetch(sock: socket.socket, on_upload: Callable[[socket.socket, int], bool] | None,
+                idle_s: float) -> tuple[list[tuple[int, bytes]], bool] | None:
+    """The next fetch on ``sock`` (waited for up to ``idle_s``, or ``STALL_S`` if more;
+    once begun, each read of it within ``STALL_S``) and whether an upload before it was
+    accepted; None when the peer closed it between fetches. An upload of outputs
+    (batching/output_refs.py) goes to ``on_upload`` whole."""
+    uploaded = False
     while True:
-        head = _recv_exactly(sock, COUNT.size, idle=True)
+        head = _recv_exactly(sock, COUNT.size, idle_s=idle_s)
         if head is None:
             return None
         magic, count = COUNT.unpack(head)
         if magic != UPLOAD_MAGIC or on_upload is None:
             break
-        on_upload(sock, count)
+        uploaded = on_upload(sock, count) or uploaded
+        if uploaded:
+            idle_s = IDLE_S
     if magic != MAGIC or count > MAX_ITEMS:
         raise ValueError("a connection that does not speak the bytes endpoint's protocol")
     body = _recv_exactly(sock, ITEM.size * count)
     if body is None:
         raise ValueError("a fetch cut short")
-    return [ITEM.unpack_from(body, ITEM.size * i) for i in range(count)]
+    return [ITEM.unpack_from(body, ITEM.size * i) for i in range(count)], uploaded
 
 
-def _recv_exactly(sock: socket.socket, size: int, idle: bool = False) -> bytes | None:
-    """``size`` bytes; None if the peer closed first. ``idle``: before the first byte the
-    socket's timeout only means nothing came yet."""
+def _recv_exactly(sock: socket.socket, size: int, idle_s: float = 0.0) -> bytes | None:
+    """``size`` bytes; None if the peer closed first. ``idle_s``: before the first byte
+    the socket's timeout only means nothing came yet, for that long."""
     data = bytearray(size)
     view = memoryview(data)
     got = 0
+    idle_until = time.monotonic() + idle_s
     while got < size:
         try:
             n = sock.recv_into(view[got:])
         except TimeoutError:
-            if idle and got == 0:
+            if got == 0 and time.monotonic() < idle_until:
                 continue
             raise
         if n == 0:

@@ -140,9 +140,10 @@ class Uploads:
                 if slot is not None:  # else the request ended meanwhile
                     slot.parts = got
 
-    def receive(self, sock: socket.socket, count: int) -> None:
+    def receive(self, sock: socket.socket, count: int) -> bool:
         """One upload on ``sock`` of ``count`` items, its ``CVU1`` head already read:
-        answered, its accepted bytes stored (api/bytes_endpoint.py calls it). Its items
+        answered, its accepted bytes stored (api/bytes_endpoint.py calls it); whether any
+        was accepted. Its items
         must arrive within ``OFFER_S``, its bytes before the latest deadline of the
         requests they are for; else :class:`TimeoutError`."""
         if count > MAX_ITEMS:
@@ -152,7 +153,7 @@ class Uploads:
             answer, accepted = self._offered(sock, count, stall)
             sock.sendall(answer)
             if not accepted.ids:
-                return
+                return False
             until = time.monotonic() + accepted.expiry_ms / 1000.0 - time.time()
             body = _recv_exactly(sock, sum(accepted.lengths), until, stall)
         finally:
@@ -163,6 +164,7 @@ class Uploads:
             at += length
         self.store(accepted, parts)
         sock.sendall(HEAD.pack(UPLOAD_MAGIC, len(parts)))
+        return True
 
     def _offered(self, sock: socket.socket, count: int, stall: float | None
                  ) -> tuple[bytes, _Accepted]:

@@ -312,23 +312,62 @@ def test_a_stalled_fetch_is_cut_and_an_idle_connection_kept(
     host, port = endpoint.where.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as stalled, \
             socket.create_connection((host, int(port))) as idle:
-        stalled.sendall(encode_request([(ref[1], ref[4])])[:5])  # and nothing more
-        assert _closed_within(stalled, 10.0)
-        time.sleep(0.5)  # idle past the stall limit between fetches
         idle.sendall(encode_request([(ref[1], ref[4])]))
         idle.settimeout(10.0)
         assert idle.recv(64).endswith(b"i" * 10)
+        stalled.sendall(encode_request([(ref[1], ref[4])])[:5])  # and nothing more
+        assert _closed_within(stalled, 10.0)
+        time.sleep(0.5)  # idle past the stall limit between fetches, a reference shown
+        idle.sendall(encode_request([(ref[1], ref[4])]))
+        assert idle.recv(64).endswith(b"i" * 10)
+
+
+def test_a_connection_without_a_valid_reference_is_not_kept(
+        monkeypatch: pytest.MonkeyPatch, endpoint: BytesEndpoint) -> None:
+    """A peer holding no reference cannot keep connections: an idle one is closed at the
+    stall limit, one whose fetch names none once answered (the table stays free for the
+    inference processes)."""
+    monkeypatch.setattr(bytes_endpoint, "STALL_S", 0.2)
+    ref = endpoint.put(b"i" * 10, _later())
+    host, port = endpoint.where.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as silent, \
+            socket.create_connection((host, int(port))) as forger:
+        forger.sendall(encode_request([(ref[1], b"\0" * len(ref[4]))]))
+        forger.settimeout(10.0)
+        answer = forger.recv(64)
+        assert answer and b"i" not in answer  # refused, then let go
+        assert _closed_within(forger, 10.0)
+        assert _closed_within(silent, 10.0)
 
 
 def test_connections_beyond_the_most_are_closed_at_once(
         monkeypatch: pytest.MonkeyPatch, endpoint: BytesEndpoint) -> None:
+    """A full table closes a new connection when every one open has shown a valid
+    reference; else the new one displaces the oldest that has shown none."""
     monkeypatch.setattr(bytes_endpoint, "MAX_CONNECTIONS", 2)
+    ref = endpoint.put(b"i" * 10, _later())
     host, port = endpoint.where.removeprefix("tcp://").rsplit(":", 1)
     held = [socket.create_connection((host, int(port))) for _ in range(2)]
     try:
+        for sock in held:
+            sock.sendall(encode_request([(ref[1], ref[4])]))
+            sock.settimeout(10.0)
+            assert sock.recv(64).endswith(b"i" * 10)
         with socket.create_connection((host, int(port))) as third:
             assert _closed_within(third, 10.0)
         assert not any(_closed_within(sock, 0.2) for sock in held)
+        held.pop().close()
+        deadline = time.monotonic() + 10.0
+        while True:  # until its thread has let go of its place
+            squatter = socket.create_connection((host, int(port)))
+            held.append(squatter)
+            if not _closed_within(squatter, 0.2) or time.monotonic() > deadline:
+                break
+        with socket.create_connection((host, int(port))) as worker:
+            assert _closed_within(squatter, 10.0)  # displaced: it showed no reference
+            worker.sendall(encode_request([(ref[1], ref[4])]))
+            worker.settimeout(10.0)
+            assert worker.recv(64).endswith(b"i" * 10)
     finally:
         for sock in held:
             sock.close()
