@@ -37,6 +37,7 @@ from batching.tensor_transport import (
     TOKEN_BYTES,
     Ref,
     Refusal,
+    send_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,6 @@ valid reference: then it is closed."""
 IDLE_S = 600.0
 """The longest a connection that has presented a valid reference may wait between two
 fetches: then it is closed (an inference process connects again when it next fetches)."""
-SENDMSG_PARTS = 512
-"""Buffers handed to one ``sendmsg`` at most (the kernel's IOV_MAX is 1024)."""
 
 
 @dataclass(slots=True)
@@ -242,11 +241,7 @@ class _Connection(socketserver.BaseRequestHandler):
                 proven = proven or uploaded
                 parts = endpoint.serve(items)
                 served = len(parts) > 1  # a valid reference among its items
-                if isinstance(sock, ssl.SSLSocket):
-                    for part in parts:
-                        sock.sendall(part)
-                else:
-                    _send_all(sock, parts)
+                send_parts(sock, parts)
                 if not (proven or served):
                     return
                 if served and not proven:
@@ -311,18 +306,6 @@ def _recv_exactly(sock: socket.socket, size: int, idle_s: float = 0.0) -> bytes 
             return None
         got += n
     return bytes(data)
-
-
-def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    """``parts`` in as few ``sendmsg`` calls as the kernel takes them."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views[:SENDMSG_PARTS])
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if sent:
-            views[0] = views[0][sent:]
 
 
 def advertised_host(host: str, redis_url: str) -> str:

@@ -47,6 +47,8 @@ KEEP_LINKS = 64
 """Connections a fetch client keeps, the least recently used closed beyond."""
 POOL_THREADS = 8
 """Threads a fetch client asks endpoints beyond the first on."""
+SENDMSG_PARTS = 512
+"""Buffers handed to one ``sendmsg`` at most (the kernel's IOV_MAX is 1024)."""
 
 Ref = list[Any]
 """``[where, id, length, expiry_ms, token]``, as it travels in a request envelope."""
@@ -108,6 +110,24 @@ def client_context(ca_file: Path | None) -> ssl.SSLContext:
     """How an inference process checks an endpoint that speaks TLS: against ``ca_file``,
     or the system's CAs."""
     return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+
+
+def send_parts(link: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """``parts`` in as few ``sendmsg`` calls as the kernel takes them; one ``sendall`` each
+    over TLS (an ``ssl.SSLSocket`` has no ``sendmsg``). The bytes endpoint's replies and an
+    inference process's uploads both go this way."""
+    if isinstance(link, ssl.SSLSocket):
+        for part in parts:
+            link.sendall(part)
+        return
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = link.sendmsg(views[:SENDMSG_PARTS])
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 class FetchClient:

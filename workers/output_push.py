@@ -27,14 +27,12 @@ from batching.output_refs import (
     parse_offer,
 )
 from batching.settings import Settings
-from batching.tensor_transport import client_context
+from batching.tensor_transport import client_context, send_parts
 
 log = logging.getLogger(__name__)
 
 KEEP_LINKS = 64
 """Connections kept, the least recently used closed beyond."""
-SENDMSG_PARTS = 512
-"""Buffers handed to one ``sendmsg`` at most."""
 
 
 @dataclass(slots=True)
@@ -171,27 +169,12 @@ def _exchange(link: socket.socket, items: list[tuple[_Upload, Tensor]]
     accepted = [t.raw for (_, t), status in zip(items, statuses, strict=True) if status == 0]
     if not accepted:
         return set(), refused
-    _send_all(link, accepted)
+    send_parts(link, accepted)
     magic, count = HEAD.unpack(_recv(link, HEAD.size))
     if magic != UPLOAD_MAGIC or count != len(accepted):
         raise ValueError("the endpoint stored another count of tensors")
     return {u.offer.id for (u, _), status in zip(items, statuses, strict=True)
             if status == 0}, refused
-
-
-def _send_all(link: socket.socket, parts: list[bytes | memoryview]) -> None:
-    if isinstance(link, ssl.SSLSocket):
-        for part in parts:
-            link.sendall(part)
-        return
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = link.sendmsg(views[:SENDMSG_PARTS])
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if sent:
-            views[0] = views[0][sent:]
 
 
 def _recv(link: socket.socket, size: int) -> bytes:
