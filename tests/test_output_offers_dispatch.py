@@ -24,6 +24,7 @@ from batching.envelope import FIELD, Reply, Request, Tensor
 from batching.errors import ConveyorError, DeadlineExceeded, Overloaded
 from batching.former import Entry
 from batching.keys import Keys
+from tests.bytes_endpoints import running_endpoint
 from tests.procs import RedisServer
 from workers.output_push import OutputPush
 
@@ -50,10 +51,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 @pytest.fixture
 def endpoint() -> Iterator[BytesEndpoint]:
-    started = BytesEndpoint("127.0.0.1")
-    started.start()
-    yield started
-    started.close()
+    with running_endpoint() as started:
+        yield started
 
 
 def _run(server: RedisServer, endpoint: BytesEndpoint, body: Body) -> None:

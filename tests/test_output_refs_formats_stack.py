@@ -14,37 +14,16 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests.conftest import MakeStack
+from tests.image_stack import ROW, add_model, image_config, image_model
 from tests.procs import free_port
 
 pytestmark = pytest.mark.integration
 
-ROW = 64 * 1024
-"""Bytes of one input row, and of each large output's row."""
-MODEL = '''\
-import numpy as np
-
-
-class Model:
-    def __init__(self, config, device):
-        pass
-
-    def predict(self, inputs):
-        x = inputs["image"]
-        return {"copy": x.copy(), "half": x.view(np.float16).copy(),
-                "words": np.array([[row.tobytes()] for row in x], dtype=object),
-                "total": x.sum(axis=1, dtype=np.int64).reshape(-1, 1)}
-'''
-CONFIG = f"""\
-backend: python
-max_batch_size: 8
-inputs:
-  - {{name: image, datatype: UINT8, shape: [-1, {ROW}]}}
-outputs:
-  - {{name: copy, datatype: UINT8, shape: [-1, {ROW}]}}
-  - {{name: half, datatype: FP16, shape: [-1, {ROW // 2}]}}
-  - {{name: words, datatype: BYTES, shape: [-1, 1]}}
-  - {{name: total, datatype: INT64, shape: [-1, 1]}}
-"""
+MODEL = image_model('{"copy": x.copy(), "half": x.view(np.float16).copy(), '
+                    '"words": np.array([[row.tobytes()] for row in x], dtype=object), '
+                    '"total": x.sum(axis=1, dtype=np.int64).reshape(-1, 1)}')
+CONFIG = image_config({"copy": ("UINT8", ROW), "half": ("FP16", ROW // 2),
+                       "words": ("BYTES", 1), "total": ("INT64", 1)})
 
 
 def _expected(image: np.ndarray) -> dict[str, bytes]:
@@ -61,13 +40,10 @@ def _got(name: str, array: np.ndarray | None) -> bytes:
 
 def test_every_output_form_is_byte_exact_by_reference(make_stack: MakeStack,
                                                        tmp_path: Path) -> None:
-    folder = tmp_path / "repo" / "forms"
-    folder.mkdir(parents=True)
-    (folder / "model.py").write_text(MODEL)
-    (folder / "config.yaml").write_text(CONFIG)
     grpc_port = free_port()
-    stack = make_stack(tmp_path / "repo", CONVEYOR_TENSOR_TRANSPORT="fetch",
-                       CONVEYOR_TENSOR_ARENA_MB="0", CONVEYOR_GRPC_PORT=str(grpc_port))
+    stack = make_stack(add_model(tmp_path / "repo", "forms", MODEL, CONFIG),
+                       CONVEYOR_TENSOR_TRANSPORT="fetch", CONVEYOR_TENSOR_ARENA_MB="0",
+                       CONVEYOR_GRPC_PORT=str(grpc_port))
     url = stack.add_api()
     stack.add_worker()
     stack.wait_ready()

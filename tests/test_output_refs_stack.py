@@ -18,47 +18,28 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.conftest import MakeStack
+from tests.image_stack import (
+    ROW,
+    across_a_killed_worker,
+    add_model,
+    image_config,
+    image_model,
+    random_images,
+    slowed,
+)
 from tests.procs import free_port, wait_for
-from tests.test_tensor_fetch_stack import _pending
 
 pytestmark = pytest.mark.integration
 
-ROW = 64 * 1024
-"""Bytes of one row, in and out: above the smallest tensor sent by reference (32 KiB)."""
-MODEL = '''\
-import numpy as np
-
-
-class Model:
-    def __init__(self, config, device):
-        pass
-
-    def predict(self, inputs):
-        x = inputs["image"]
-        return {"copy": x.copy(), "total": x.sum(axis=1, dtype=np.int64).reshape(-1, 1)}
-'''
-
-
-def _config(out_row: int) -> str:
-    return f"""\
-backend: python
-max_batch_size: 8
-inputs:
-  - {{name: image, datatype: UINT8, shape: [-1, {ROW}]}}
-outputs:
-  - {{name: copy, datatype: UINT8, shape: [-1, {out_row}]}}
-  - {{name: total, datatype: INT64, shape: [-1, 1]}}
-"""
+MODEL = image_model('{"copy": x.copy(), "total": x.sum(axis=1, dtype=np.int64).reshape(-1, 1)}')
 
 
 def _repository(root: Path, model: str = MODEL) -> Path:
     """``mirror`` answers each image with itself; ``spill`` too, but declares half of it
     (what the API bounds its upload by)."""
     for name, out_row in (("mirror", ROW), ("spill", ROW // 2)):
-        folder = root / name
-        folder.mkdir(parents=True)
-        (folder / "model.py").write_text(model)
-        (folder / "config.yaml").write_text(_config(out_row))
+        add_model(root, name, model, image_config({"copy": ("UINT8", out_row),
+                                                   "total": ("INT64", 1)}))
     return root
 
 
@@ -79,11 +60,6 @@ def _copy(url: str, model: str, image: np.ndarray) -> bytes:
     return response.content[length:]
 
 
-def _images(count: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (1, ROW), dtype=np.uint8) for _ in range(count)]
-
-
 def test_large_outputs_come_back_by_reference_each_its_own_input(
         make_stack: MakeStack, tmp_path: Path) -> None:
     grpc_port = free_port()
@@ -93,7 +69,7 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
     worker = stack.add_worker()
     stack.wait_ready()
     r = stack.redis()
-    images = _images(48, seed=11)
+    images = random_images(48, seed=11)
     before = int(r.info("stats")["total_net_input_bytes"])
     with ThreadPoolExecutor(8) as pool:  # several in flight: batches of several uploaded at once
         copies = list(pool.map(lambda image: _copy(url, "mirror", image), images))
@@ -103,7 +79,7 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
     assert read < sent / 4, f"Redis read {read:,} bytes for {sent:,} in and as many out"
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
-    for image in _images(4, seed=12):
+    for image in random_images(4, seed=12):
         given = grpcclient.InferInput("image", list(image.shape), "UINT8")
         given.set_data_from_numpy(image)
         result = client.infer("mirror", [given], outputs=[grpcclient.InferRequestedOutput("copy"),
@@ -114,7 +90,7 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
     client.close()
 
     # Uploads over their bound are refused: those outputs travel in the Redis replies.
-    spilled = _images(8, seed=13)
+    spilled = random_images(8, seed=13)
     before = int(r.info("stats")["total_net_input_bytes"])
     with ThreadPoolExecutor(4) as pool:
         copies = list(pool.map(lambda image: _copy(url, "spill", image), spilled))
@@ -127,20 +103,13 @@ def test_large_outputs_come_back_by_reference_each_its_own_input(
 
 def test_a_killed_worker_s_batch_is_run_and_uploaded_by_the_next(
         make_stack: MakeStack, tmp_path: Path) -> None:
-    slow = MODEL.replace("    def predict(self, inputs):\n",
-                         "    def predict(self, inputs):\n        __import__('time').sleep(1.0)\n")
-    stack = make_stack(_repository(tmp_path / "repo", slow), CONVEYOR_TENSOR_TRANSPORT="fetch",
-                       CONVEYOR_TENSOR_ARENA_MB="0", CONVEYOR_HEARTBEAT_STALE_S="2")
+    stack = make_stack(_repository(tmp_path / "repo", slowed(MODEL)),
+                       CONVEYOR_TENSOR_TRANSPORT="fetch", CONVEYOR_TENSOR_ARENA_MB="0",
+                       CONVEYOR_HEARTBEAT_STALE_S="2")
     url = stack.add_api()
-    first = stack.add_worker()
-    stack.wait_ready()
-    r = stack.redis()
-    images = _images(3, seed=14)
-    with ThreadPoolExecutor(len(images)) as pool:
-        answers = [pool.submit(_copy, url, "mirror", image) for image in images]
-        wait_for(lambda: _pending(r, stack) > 0, 30, "the first worker to hold a batch")
-        first.kill_group()  # SIGKILL with the batch in hand: nothing of it uploaded
-        second = stack.add_worker()
-        assert [a.result(timeout=60) for a in answers] == [image.tobytes() for image in images]
+    given = random_images(3, seed=14)
+    copies, second = across_a_killed_worker(stack, lambda image: _copy(url, "mirror", image),
+                                            given)
+    assert copies == [image.tobytes() for image in given]
     wait_for(lambda: "large outputs go to the API process at" in second.log(), 30,
              "the next worker to log its uploads")

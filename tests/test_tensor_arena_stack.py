@@ -13,39 +13,16 @@ import numpy as np
 import pytest
 
 from tests.conftest import MakeStack
+from tests.image_stack import ROW, add_model, image_config, image_model, random_images
 
 pytestmark = pytest.mark.integration
 
-ROW = 64 * 1024
-"""Bytes of one row: above the arena's smallest input (32 KiB by default)."""
-MODEL = '''\
-import numpy as np
+MODEL = image_model('{"total": x.reshape(x.shape[0], -1).sum(axis=1, dtype=np.int64).reshape(-1, 1)}')
+CONFIG = image_config({"total": ("INT64", 1)})
 
 
-class Model:
-    def __init__(self, config, device):
-        pass
-
-    def predict(self, inputs):
-        x = inputs["image"]
-        return {"total": x.reshape(x.shape[0], -1).sum(axis=1, dtype=np.int64).reshape(-1, 1)}
-'''
-CONFIG = f"""\
-backend: python
-max_batch_size: 8
-inputs:
-  - {{name: image, datatype: UINT8, shape: [-1, {ROW}]}}
-outputs:
-  - {{name: total, datatype: INT64, shape: [-1, 1]}}
-"""
-
-
-def _repository(root: Path) -> Path:
-    folder = root / "summer"
-    folder.mkdir(parents=True)
-    (folder / "model.py").write_text(MODEL)
-    (folder / "config.yaml").write_text(CONFIG)
-    return root
+def _repository(root: Path, model: str = MODEL) -> Path:
+    return add_model(root, "summer", model, CONFIG)
 
 
 def _infer(client: httpx.Client, url: str, image: np.ndarray) -> int:
@@ -64,8 +41,7 @@ def test_large_inputs_pass_through_shared_memory_not_redis(make_stack: MakeStack
     stack.add_worker()
     stack.wait_ready()
     r = stack.redis()
-    rng = np.random.default_rng(3)
-    images = [rng.integers(0, 256, (1, ROW), dtype=np.uint8) for _ in range(24)]
+    images = random_images(24, seed=3)
     with httpx.Client(timeout=30) as client:
         # The arena is made on the first large input, and used once the API process has
         # read the worker's heartbeat (a refresh a second): until a request skips Redis,

@@ -22,11 +22,12 @@ import redis
 
 from batching.envelope import FIELD, Reply, Request
 from batching.errors import Unavailable
-from batching.keys import GROUP, Keys
+from batching.keys import Keys
 from batching.tensor_transport import FetchClient, is_remote
 from tests.conftest import MakeStack, Stack
+from tests.image_stack import across_a_killed_worker, random_images, slowed
 from tests.procs import wait_for
-from tests.test_tensor_arena_stack import CONFIG, MODEL, ROW, _repository
+from tests.test_tensor_arena_stack import MODEL, _repository
 
 pytestmark = pytest.mark.integration
 
@@ -47,11 +48,6 @@ def _total(url: str, image: np.ndarray) -> int:
                           timeout=60)
     assert response.status_code == 200, response.text
     return int(response.json()["outputs"][0]["data"][0])
-
-
-def _images(count: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (1, ROW), dtype=np.uint8) for _ in range(count)]
 
 
 def _entries(r: redis.Redis, stack: Stack) -> list[Request]:
@@ -75,7 +71,7 @@ def test_inputs_fetched_from_the_api_process_answer_their_own_requests(
     stack.add_worker()
     stack.wait_ready()
     r = stack.redis()
-    images = _images(48, seed=5)
+    images = random_images(48, seed=5)
     before = int(r.info("stats")["total_net_input_bytes"])
     with ThreadPoolExecutor(8) as pool:  # several in flight: batches of several fetched at once
         totals = list(pool.map(lambda image: _total(url, image), images))
@@ -97,9 +93,9 @@ def test_a_dead_api_process_s_requests_are_answered_with_an_error_never_run(
     worker = stack.add_worker()
     stack.wait_ready()
     r = stack.redis()
-    warm = _images(1, seed=1)[0]
+    warm = random_images(1, seed=1)[0]
     assert _total(doomed, warm) == _total(kept, warm) == int(warm.sum())
-    lost, fine = _images(4, seed=2), _images(4, seed=3)
+    lost, fine = random_images(4, seed=2), random_images(4, seed=3)
     os.killpg(worker.pid, signal.SIGSTOP)  # the worker reads nothing until SIGCONT
     pool = ThreadPoolExecutor(8)
     try:
@@ -131,36 +127,14 @@ def test_a_dead_api_process_s_requests_are_answered_with_an_error_never_run(
         assert "could not be fetched" in reply.error
 
 
-def _slow_repository(root: Path) -> Path:
-    """The summer model, one second a batch: time to kill its worker with a batch in hand."""
-    folder = root / "summer"
-    folder.mkdir(parents=True)
-    (folder / "model.py").write_text(MODEL.replace(
-        "    def predict(self, inputs):\n",
-        "    def predict(self, inputs):\n        __import__('time').sleep(1.0)\n"))
-    (folder / "config.yaml").write_text(CONFIG)
-    return root
-
-
-def _pending(r: redis.Redis, stack: Stack) -> int:
-    return sum(int(cast(dict[str, int], r.xpending(key, GROUP))["pending"])
-               for key in r.scan_iter(match=f"{stack.prefix}:*:q:*", _type="stream"))
-
-
 def test_a_killed_worker_s_entries_are_fetched_again_by_the_next(
         make_stack: MakeStack, tmp_path: Path) -> None:
-    stack = make_stack(_slow_repository(tmp_path / "repo"), CONVEYOR_HEARTBEAT_STALE_S="2",
-                       **FETCH)
+    stack = make_stack(_repository(tmp_path / "repo", slowed(MODEL)),
+                       CONVEYOR_HEARTBEAT_STALE_S="2", **FETCH)
     url = stack.add_api()
-    first = stack.add_worker()
-    stack.wait_ready()
+    given = random_images(3, seed=7)
+    totals, _ = across_a_killed_worker(stack, lambda image: _total(url, image), given)
+    assert totals == [int(image.sum()) for image in given]
     r = stack.redis()
-    images = _images(3, seed=7)
-    with ThreadPoolExecutor(len(images)) as pool:
-        answers = _in_flight(pool, url, images)
-        wait_for(lambda: _pending(r, stack) > 0, 30, "the first worker to hold a batch")
-        first.kill_group()  # SIGKILL: the inputs it fetched die with it
-        stack.add_worker()
-        assert [a.result(timeout=60) for a in answers] == [int(image.sum()) for image in images]
     stats = cast(dict[bytes, bytes], r.hgetall(Keys(stack.prefix).stats("summer")))
     assert int(stats.get(b"reclaimed_count", 0)) >= 1

@@ -16,6 +16,7 @@ from api.main import create_app
 from batching.envelope import Reply, Request, Tensor
 from batching.keys import Keys
 from batching.settings import Settings
+from tests.bytes_endpoints import running_endpoint
 from tests.unit.memory_dispatch import MemoryDispatcher
 
 TEST_MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -65,7 +66,5 @@ def client(settings: Settings, dispatcher: MemoryDispatcher) -> Iterator[TestCli
 @pytest.fixture
 def endpoint() -> Iterator[BytesEndpoint]:
     """A bytes endpoint on loopback, closed after the test."""
-    started = BytesEndpoint("127.0.0.1")
-    started.start()
-    yield started
-    started.close()
+    with running_endpoint() as started:
+        yield started

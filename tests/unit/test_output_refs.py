@@ -9,7 +9,6 @@ names bytes the API does not hold is an internal error, never other bytes."""
 from __future__ import annotations
 
 import socket
-import ssl
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from batching.output_refs import (
 from batching.settings import Settings
 from batching.tensor_arena import HOST_FILE
 from batching.tensor_transport import FetchClient, client_context
-from tests.test_listeners import make_cert
+from tests.bytes_endpoints import tls_endpoint
 from workers.output_push import OutputPush
 
 MIN = 8192
@@ -254,12 +253,7 @@ def test_a_reply_naming_bytes_the_api_does_not_hold_is_an_internal_error(
 
 
 def test_an_endpoint_that_speaks_tls_takes_uploads_over_tls(tmp_path: Path) -> None:
-    cert, key = make_cert(tmp_path, "api")
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
-    endpoint = BytesEndpoint("127.0.0.1", tls=tls)
-    endpoint.start()
-    try:
+    with tls_endpoint(tmp_path) as (endpoint, cert):
         offers = _offers(endpoint)
         answered = _answered(offers, 2)
         raw = [bytes(reply.outputs[0].raw) for _, reply, _ in answered]
@@ -271,8 +265,6 @@ def test_an_endpoint_that_speaks_tls_takes_uploads_over_tls(tmp_path: Path) -> N
             got = _through_redis(reply)
             offers.resolve(offer, got)
             assert bytes(got.outputs[0].raw) == sent
-    finally:
-        endpoint.close()
 
 
 def test_an_api_process_that_takes_connections_but_stalls_holds_one_answer_only(

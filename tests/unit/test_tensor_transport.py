@@ -6,7 +6,6 @@ carries another token gets no bytes, as does one whose endpoint is gone or silen
 from __future__ import annotations
 
 import socket
-import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -30,6 +29,7 @@ from batching.tensor_transport import (
     encode_request,
     is_remote,
 )
+from tests.bytes_endpoints import tls_endpoint
 from tests.test_listeners import make_cert
 
 LATER_MS = 60_000
@@ -126,12 +126,7 @@ def test_an_endpoint_that_is_gone_or_silent_fails_its_inputs_in_time(
 
 
 def test_an_endpoint_that_speaks_tls_is_fetched_from_over_tls(tmp_path: Path) -> None:
-    cert, key = make_cert(tmp_path, "api")
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
-    endpoint = BytesEndpoint("127.0.0.1", tls=tls)
-    endpoint.start()
-    try:
+    with tls_endpoint(tmp_path) as (endpoint, cert):
         blobs = _blobs(3, 200_000, seed=1)
         refs = [endpoint.put(b, _later()) for b in blobs]
         assert endpoint.where.startswith("tls://127.0.0.1:")
@@ -141,8 +136,6 @@ def test_an_endpoint_that_speaks_tls_is_fetched_from_over_tls(tmp_path: Path) ->
         untrusted = untrusting.fetch(refs[:1])
         trusting.close()
         assert isinstance(untrusted[0], TensorGone) and "CERTIFICATE" in str(untrusted[0]).upper()
-    finally:
-        endpoint.close()
 
 
 def test_a_fixed_port_taken_moves_to_the_next(endpoint: BytesEndpoint) -> None:
