@@ -50,10 +50,11 @@ Cheaper still, and judged by the wait itself: for a model whose adaptive policy 
 ``batching.overload: lifo``, the HTTP listener refuses a request as soon as its headers
 are parsed (api/http_guard.py: a pre-encoded 503, its body skipped, no task, no Redis)
 in a standing backlog only, as CoDel drops packets: once the requests it reads have
-waited unread (about half the longest they can have, api/turns.py) more than
+waited unread (the longest they can have, api/turns.py) more than
 ``TARGET_SHARE`` of the model's latency target (or its default timeout, when sooner) for
 ``STANDING_S`` on end, and until they have waited less for as long, it refuses those
-whose wait plus the time this model's requests take here is more than that budget:
+whose wait plus the time this model's requests take here is more than ``HEADROOM`` of
+that budget:
 :meth:`Overload.refuses_unread`. Under first come,
 first served every request of a standing backlog would be answered late, so refusing by
 the timeout only (above) answered nothing in time; refusing those at a fraction of a
@@ -111,10 +112,17 @@ still seen refused 3,000 times a second (and answered 270 times) for a second or
 time, 2 seconds in 32; over a quarter of one, none in 32 (the worst: 1,009 answered,
 1,392 refused)."""
 
-UNREAD_SHARE = 0.5
+UNREAD_SHARE = 1.0
 """The wait the listener judges a request by, as a share of the longest it can have waited
-unread (api/turns.py): its bytes came at any time in the loop's previous turn, so about
-midway on average; the longest charged each one read in a turn the whole turn before."""
+unread (api/turns.py). Its bytes came at any time in the loop's previous turn, but judged
+midway (0.5) the requests let through past capacity were late (on a 2-core host at 110%
+of capacity, about 4,900 served a second, 3,000 of them in time)."""
+HEADROOM = 0.8
+"""In a standing backlog, a request is let through only if its wait plus the time this
+model's requests take here is within this share of its budget: what the listener cannot
+see (the reply's way back to the client, the client's own turn) comes on top. With both,
+on a 2-core host past capacity, 3,900 a second in time at 110% and 3,080 at 125% where
+there had been 3,160 and 2,360 (bench/RESULTS-batching.md)."""
 TARGET_SHARE = 0.25
 """A wait up to this share of a model's budget is no backlog: no refusal starts."""
 STANDING_S = 0.1
@@ -236,8 +244,9 @@ class Overload:
         """Whether a request for ``model`` whose bytes waited up to ``waited_s`` before
         their read is to be refused at once: in a standing backlog (:meth:`_standing`),
         its wait plus the time the model's requests take here (with ``DEVIATIONS``)
-        exceeds its budget. One request a model still goes through every ``probe_s``, to keep that
-        time measured, if it waited at most ``PROBE_WAIT`` of the budget."""
+        exceeds ``HEADROOM`` of its budget. One request a model still goes through every
+        ``probe_s``, to keep that time measured, if it waited at most ``PROBE_WAIT`` of
+        the budget."""
         budget = self.unread_budget_s.get(model)
         if budget is None:
             return False
@@ -246,7 +255,7 @@ class Overload:
         if not self._standing(model, waited_s, waited, TARGET_SHARE * budget, now):
             return False
         took = self.took_s.get(model, 0.0) + DEVIATIONS * self.took_dev_s.get(model, 0.0)
-        if waited + took <= budget:
+        if waited + took <= HEADROOM * budget:
             return False
         last = self._passed.get(model)
         if (last is None or now - last >= self.probe_s) and waited <= PROBE_WAIT * budget:
