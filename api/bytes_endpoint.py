@@ -241,11 +241,11 @@ class _Connection(socketserver.BaseRequestHandler):
                 proven = proven or uploaded
                 parts = endpoint.serve(items)
                 served = len(parts) > 1  # a valid reference among its items
+                if served and not proven:
+                    self.server.prove(self.request)  # before the peer has its answer
                 send_parts(sock, parts)
                 if not (proven or served):
                     return
-                if served and not proven:
-                    self.server.prove(self.request)
                 proven = proven or served
         except (OSError, ValueError) as exc:
             log.debug("bytes endpoint: a connection ended: %s", exc)
