@@ -34,13 +34,17 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from batching import tensor_transport as fetch
+
 UPLOAD_MAGIC = b"CVU1"
-HEAD = struct.Struct("<4sI")
+HEAD = fetch.COUNT
+"""An upload's head: ``UPLOAD_MAGIC`` and its item count, as a fetch's."""
 ITEM = struct.Struct("<Q16sQ")
-STATUS = struct.Struct("<q")
-TOKEN_BYTES = 16
-MAX_ITEMS = 4096
-"""Most tensors in one upload; a larger one is a protocol error."""
+STATUS = fetch.LENGTH
+"""Each item's answer, a fetch's length field: 0, or a refusal negated."""
+TOKEN_BYTES = fetch.TOKEN_BYTES
+MAX_ITEMS = fetch.MAX_ITEMS
+"""Most tensors in one upload, as in a fetch; a larger one is a protocol error."""
 OFFER = "out"
 """``params`` key of a request whose large outputs may be uploaded (the offer)."""
 

@@ -277,7 +277,8 @@ def test_one_model_of_three_partitions_spreads_its_commands_over_three_nodes(
     folder = tmp_path / "models" / model
     folder.mkdir(parents=True)
     (folder / "model.py").write_text(PICKY)
-    (folder / "config.yaml").write_text(PICKY_CONFIG + "queue: {partitions: 3}\n")
+    (folder / "config.yaml").write_text(PICKY_CONFIG + "queue: {partitions: 3}\n"
+                                        "batching: {overload: fifo}\n")  # every request served
     stack = Stack(cluster.url, tmp_path / "models", logdir,
                   extra_env={"CONVEYOR_CELERY_BROKER_URL": redis_server.url})
     try:
