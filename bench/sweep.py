@@ -49,7 +49,7 @@ import uvloop
 
 from batching.adaptive import AdaptivePolicy
 from batching.policy import FixedWindow, Policy
-from bench import device_model, open_loop, triton
+from bench import device_model, open_loop, quiet, triton
 from bench import run as base
 from bench.models import LAYERS, MAX_BATCH_SIZE, write_repository
 from bench.scheduler_sim import Device, run_loop
@@ -62,6 +62,9 @@ ARRIVALS: dict[str, Callable[[float, float, int], list[float]]] = {
 }
 """Send times by pattern; on-off: 100 ms at twice the rate, then 100 ms silent."""
 ADAPTIVE_BOUND_US = 20000
+QUIET_EXTRA_S = 2.0
+"""Between runs, the host is waited for until quiet (bench/quiet.py), at most a request's
+timeout and this long: the queue a run left expires within its timeout."""
 SLICE_SEED = 7919
 """The arrivals of a point's slice ``k`` are drawn from the point's seed + k times this:
 every policy gets the same ones."""
@@ -311,6 +314,8 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
             for _ in range(args.repeats):
                 slices: dict[Setting, list[Slice]] = {setting: [] for setting in settings}
                 for index, setting in schedule(settings, args.slices, turn):
+                    # what the last run left queued past capacity is not the next one's
+                    quiet.wait_quiet(args.timeout_ms / 1e3 + QUIET_EXTRA_S)
                     slices[setting].append(run_slice(
                         served[setting], setting, pattern, share, capacity, args, device,
                         path_s, round(share * 1000) + SLICE_SEED * index))
