@@ -28,9 +28,8 @@ import struct
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,8 +78,7 @@ def is_remote(ref: Ref) -> bool:
     return len(ref) == 5
 
 
-@dataclass(frozen=True, slots=True)
-class Parsed:
+class Parsed(NamedTuple):
     where: str
     id: int
     length: int
@@ -103,7 +101,27 @@ def parse(ref: Ref) -> Parsed:
 
 def encode_request(items: Sequence[tuple[int, bytes]]) -> bytes:
     """One fetch of ``(id, token)`` pairs."""
-    return COUNT.pack(MAGIC, len(items)) + b"".join(ITEM.pack(i, t) for i, t in items)
+    return struct.pack(f"<4sI{'Q16s' * len(items)}", MAGIC, len(items),
+                       *[field for item in items for field in item])
+
+
+KERNEL_TIMEOUTS = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+"""What a blocking socket raises when ``SO_RCVTIMEO`` or ``SO_SNDTIMEO`` runs out."""
+
+
+def arm(link: socket.socket, deadline: float, send: bool = False) -> None:
+    """Bound ``link``'s next blocking receive (and with ``send`` its sends) by ``deadline``
+    (monotonic), in the kernel: a fetch's socket blocks, so that one ``recv`` with
+    ``MSG_WAITALL`` takes a whole reply, where a socket with a Python timeout polls before
+    each ``recv`` and takes what has arrived (a dozen wake-ups for a batch of images)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    seconds = int(left)
+    value = struct.pack("@ll", seconds, max(1, int((left - seconds) * 1e6)))
+    link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    if send:
+        link.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def client_context(ca_file: Path | None) -> ssl.SSLContext:
@@ -193,14 +211,15 @@ class FetchClient:
                 return self._failed(where, group, str(exc))
             self._down.pop(where, None)
             try:
-                link.settimeout(max(deadline - time.monotonic(), 0.001))
+                arm(link, deadline, send=True)
                 link.sendall(encode_request([(p.id, p.token) for _, p in group]))
-                return _read_reply(link, [p.length for _, p in group])
+                return _read_reply(link, [p.length for _, p in group], deadline)
             except (OSError, ValueError) as exc:
                 self._links.pop(where, None)
                 link.close()
                 if not (kept and isinstance(exc, ConnectionError)):
-                    return self._failed(where, group, str(exc))
+                    why = "timed out" if isinstance(exc, KERNEL_TIMEOUTS) else str(exc)
+                    return self._failed(where, group, why)
 
     def _link(self, where: str, deadline: float) -> socket.socket:
         link = self._links.pop(where, None)
@@ -219,6 +238,7 @@ class FetchClient:
             except BaseException:
                 raw.close()
                 raise
+        raw.settimeout(None)  # blocking: each fetch bounds itself in the kernel (arm)
         self._links[where] = raw
         while len(self._links) > KEEP_LINKS:  # endpoints of API processes long gone
             self._links.pop(next(iter(self._links))).close()
@@ -231,18 +251,21 @@ class FetchClient:
                            f"at {where}: {why}") for _ in group]
 
 
-def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | TensorGone]:
-    """One fetch's reply: each tensor's bytes (views of one buffer), or why not."""
-    head = _recv_into(link, memoryview(bytearray(len(MAGIC) + LENGTH.size * len(lengths))))
+def _read_reply(link: socket.socket, lengths: list[int],
+                deadline: float) -> list[memoryview | TensorGone]:
+    """One fetch's reply, within ``deadline``: each tensor's bytes (views of one buffer),
+    or why not."""
+    head = _recv_into(link, memoryview(bytearray(len(MAGIC) + LENGTH.size * len(lengths))),
+                      deadline)
     if head[:len(MAGIC)] != MAGIC:
         raise ValueError("not a bytes endpoint's reply")
-    sizes = [LENGTH.unpack_from(head, len(MAGIC) + LENGTH.size * i)[0]
-             for i in range(len(lengths))]
-    for size, expected in zip(sizes, lengths, strict=True):
-        if size >= 0 and size != expected:
-            raise ValueError("the endpoint sent a tensor of another length")
+    sizes: tuple[int, ...] = struct.unpack_from(f"<{len(lengths)}q", head, len(MAGIC))
+    if sizes != tuple(lengths) and any(
+            size >= 0 and size != expected for size, expected in zip(sizes, lengths, strict=True)):
+        raise ValueError("the endpoint sent a tensor of another length")
+    arm(link, deadline)
     # Not zeroed first: every byte is received into it.
-    body = _recv_into(link, np.empty(sum(s for s in sizes if s > 0), np.uint8).data)
+    body = _recv_into(link, np.empty(sum(s for s in sizes if s > 0), np.uint8).data, deadline)
     got: list[memoryview | TensorGone] = []
     at = 0
     for size in sizes:
@@ -254,15 +277,19 @@ def _read_reply(link: socket.socket, lengths: list[int]) -> list[memoryview | Te
     return got
 
 
-def _recv_into(link: socket.socket, view: memoryview) -> memoryview:
-    """``view`` filled from ``link``."""
+def _recv_into(link: socket.socket, view: memoryview, deadline: float) -> memoryview:
+    """``view`` filled from ``link`` by ``deadline`` (its receive bounded by :func:`arm`): over TCP
+    in one ``recv`` unless the kernel's bound cut it short."""
     got, size = 0, len(view)
-    flags = 0 if isinstance(link, ssl.SSLSocket) else socket.MSG_WAITALL
+    tls = isinstance(link, ssl.SSLSocket)
+    flags = 0 if tls else socket.MSG_WAITALL
     while got < size:
         n = link.recv_into(view[got:], size - got, flags)
         if n == 0:
             raise ConnectionError("the endpoint closed the connection")
         got += n
+        if got < size and (not tls or time.monotonic() >= deadline):
+            arm(link, deadline)  # past the deadline: TimeoutError
     return view
 
 

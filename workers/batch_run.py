@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from batching.bls import BatchContext, Caller
 from batching.bls import batch as calls_of
-from batching.datatypes import from_numpy
+from batching.datatypes import from_numpy, to_raw
 from batching.envelope import VERSION, Reply, Tensor
 from batching.errors import ConveyorError, ModelFailure, Unavailable
 from batching.former import Batch, Entry, Layout
@@ -119,16 +119,38 @@ class BatchRunner:
         done.fits.append((True, rows, width))
         exec_ms = (time.time() - done.started) * 1000.0
         splitting = time.perf_counter_ns()
-        answered = []
-        for entry, own in zip(entries, batch.split(outputs), strict=True):
-            wanted = entry.request.outputs
-            tensors = [Tensor.from_array(name, arr, self._out_types.get(name))
-                       for name, arr in own.items() if not wanted or name in wanted]
-            answered.append((entry, Reply(
-                entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
-                queue_ms=max(0.0, done.started * 1000.0 - entry.request.enq_ms))))
+        answered = [(entry, Reply(
+            entry.request.id, tensors, batch_rows=rows, exec_ms=exec_ms,
+            queue_ms=max(0.0, done.started * 1000.0 - entry.request.enq_ms)))
+            for entry, tensors in zip(entries, self._split(batch, outputs), strict=True)]
         phases[2] += time.perf_counter_ns() - splitting
         return answered
+
+    def _split(self, batch: Batch, outputs: Arrays) -> list[list[Tensor]]:
+        """Per entry, its tensors of the outputs it asked for. Where no output is cut back
+        to an entry's own length, each output is made bytes once for the whole batch and
+        each entry's tensor is a slice of them: not an array, a copy and a conversion
+        per entry and output."""
+        entries = batch.entries
+        rows = batch.rows
+        if (len(entries) == 1 or self.layout.unpad
+                or any(a.dtype.kind in "OSU" or not a.ndim or a.shape[0] != rows
+                       for a in outputs.values())):
+            return [[Tensor.from_array(name, arr, self._out_types.get(name))
+                     for name, arr in own.items()
+                     if not entry.request.outputs or name in entry.request.outputs]
+                    for entry, own in zip(entries, batch.split(outputs), strict=True)]
+        tensors: list[list[Tensor]] = [[] for _ in entries]
+        for name, arr in outputs.items():
+            datatype = self._out_types.get(name) or from_numpy(arr.dtype)
+            raw = memoryview(to_raw(arr))
+            row, inner, at = len(raw) // rows, arr.shape[1:], 0
+            for entry, own in zip(entries, tensors, strict=True):
+                n = entry.rows
+                if not entry.request.outputs or name in entry.request.outputs:
+                    own.append(Tensor(name, datatype, (n, *inner), raw[at * row:(at + n) * row]))
+                at += n
+        return tensors
 
     def _oom_alone(self, entry: Entry, done: Outcome) -> Reply:
         """One request out of memory: bisect its rows; a single row that fails, fails alone."""

@@ -35,14 +35,14 @@ class SharedInputs:
     def split(self, entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
         """The entries whose inputs are all readable now (references replaced by the
         bytes, viewed in place or fetched), and those that are not, with why."""
-        fetched = self._fetch_all(entries)
+        failed = self._fetch_all(entries)
         readable: list[Entry] = []
         lost: list[tuple[Entry, str]] = []
         for entry in entries:
             try:
                 for tensor in entry.request.inputs:
-                    if tensor.ref is not None:
-                        tensor.raw = self._resolve(tensor, fetched)
+                    if tensor.ref is not None:  # in an arena, or its fetch failed
+                        tensor.raw = self._resolve(tensor, failed)
                         tensor.ref = None  # packed again (a dead letter), it holds the bytes
             except TensorGone as exc:
                 lost.append((entry, str(exc)))
@@ -50,25 +50,30 @@ class SharedInputs:
             readable.append(entry)
         return readable, lost
 
-    def _resolve(self, tensor: Tensor, fetched: dict[int, memoryview | TensorGone]
-                 ) -> memoryview:
+    def _resolve(self, tensor: Tensor, failed: dict[int, TensorGone]) -> memoryview:
         assert tensor.ref is not None
-        if is_remote(tensor.ref):
-            got = fetched[id(tensor)]
-            if isinstance(got, TensorGone):
-                raise got
-            return got
+        gone = failed.get(id(tensor))
+        if gone is not None:
+            raise gone
         if self._reader is None:
             self._reader = ArenaReader()
         return self._reader.view(tensor.ref)
 
-    def _fetch_all(self, entries: list[Entry]) -> dict[int, memoryview | TensorGone]:
-        """The bytes of every endpoint reference of ``entries``, by ``id()`` of its tensor."""
+    def _fetch_all(self, entries: list[Entry]) -> dict[int, TensorGone]:
+        """Fetch the bytes of every endpoint reference of ``entries`` into its tensor (its
+        reference then gone); why those that could not be had failed, by ``id()`` of
+        their tensors, which keep their references."""
         remote = [t for e in entries for t in e.request.inputs
                   if t.ref is not None and is_remote(t.ref)]
         if not remote:
             return {}
         if not isinstance(self._fetch, FetchClient):
             self._fetch = self._fetch()
+        failed: dict[int, TensorGone] = {}
         got = self._fetch.fetch([t.ref for t in remote if t.ref is not None])
-        return {id(t): one for t, one in zip(remote, got, strict=True)}
+        for tensor, one in zip(remote, got, strict=True):
+            if isinstance(one, TensorGone):
+                failed[id(tensor)] = one
+            else:
+                tensor.raw, tensor.ref = one, None
+        return failed
