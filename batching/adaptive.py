@@ -15,10 +15,11 @@ asks while nothing runs):
   The simulator shows that waiting pays only when the shortfall is large: the policy waits
   while ``shortfall·(n + 1) ≤ n*`` (``shortfall = 1.5``). That is where closed-loop clients
   otherwise split into two half batches that alternate. At low load ``n* < 3``: a lone
-  request goes at once. Past what even full batches keep up with (``λ·b ≥ 1``) nothing
-  waits either: the queue grows while a batch runs, so the next batch is as big as it can
-  be, and a wait would only idle the device (mlp_medium on a 2-core host at 110% of its
-  capacity: a quarter of the answers went late while it waited for 42 rows).
+  request goes at once. Past what even full batches keep up with (``n* ≥ max_batch_size``,
+  or ``λ·b ≥ 1``) nothing waits either: the queue grows while a batch runs, so the next
+  batch is as big as it can be, and a wait would only idle the device (mlp_medium on a
+  2-core host at 110% of its capacity: a quarter of the answers went late while it waited
+  for 42 rows).
 * A wait must also leave the oldest request finishing within ``slack × latency_target`` and
   before its deadline, given the expected arrivals and ``t(n)``; it never outlasts
   ``max_queue_delay_us``, and it gives up as soon as arrivals stop (the rate estimate falls
@@ -198,7 +199,7 @@ class AdaptivePolicy:
             return Decision(True, reason="window", max_rows=take)
         lam = self.arrivals.rate(now)
         goal = self.goal_rows(lam, cap)
-        if goal < self.shortfall * (rows + 1) or lam * self.latency.b >= 1.0:
+        if goal < self.shortfall * (rows + 1) or goal >= cap:
             return Decision(True, reason="policy", max_rows=take)
         a, b = self.latency.a, self.latency.b
         # The oldest request may have queued through the previous batch before it was read.

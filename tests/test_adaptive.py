@@ -42,12 +42,16 @@ def test_under_load_a_lone_row_waits_for_company() -> None:
     assert 0.0 < decision.wait_s <= 0.02
 
 
-def test_past_what_full_batches_keep_up_with_nothing_waits() -> None:
-    # λ·b = 5000 · 0.0002 = 1: even batches of max_batch_size fall behind. The queue
-    # grows while a batch runs, so the next is as big as it can be without waiting;
-    # a wait would only idle the device (on mlp_medium past capacity, a quarter of the
-    # answers went late waiting for 42 rows).
-    policy = taught(b=0.0002)
+@pytest.mark.parametrize(("b", "rate"), [
+    (0.0002, 5000.0),  # λ·b = 1: no batch size keeps up
+    (0.0001, 6000.0),  # n* = 6000·0.005 / (1 − 0.6) = 75 rows, more than max_batch_size
+])
+def test_past_what_full_batches_keep_up_with_nothing_waits(b: float, rate: float) -> None:
+    # Even batches of max_batch_size fall behind: the queue grows while a batch runs, so
+    # the next is as big as it can be without waiting, and a wait would only idle the
+    # device (on mlp_medium past capacity, a quarter of the answers went late waiting for
+    # 42 rows).
+    policy = taught(b=b, rate=rate)
     assert policy.goal_rows(policy.arrivals.rate(NOW), 64) == 64.0
     assert policy.decide(NOW, 1, NOW, FAR) == Decision(True, reason="policy")
     assert policy.decide(NOW, 20, NOW, FAR) == Decision(True, reason="policy")
