@@ -300,7 +300,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if overload is None or found is None:
             return False
         return overload.refuses_unread(found.group(1).decode("ascii"),
-                                       time.perf_counter() - since)
+                                       time.perf_counter() - since, id(self))
 
     def _refuse_unread(self) -> None:
         """The refused request's body has been read past: answer it."""

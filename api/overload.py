@@ -151,6 +151,17 @@ class _Run:
     """A standing backlog: its requests are judged."""
     ended: float = float("-inf")
     """When the latest standing backlog ended."""
+CLIENTS = 4
+"""The listener refuses a model's requests only where at least this many connections sent
+one within about the last ``CLIENTS_S``: a backlog of that model's own. Fewer clients
+cannot be one (each has one request in hand at a time), so what waits unread is not theirs
+(another model's clients, a flood of new connections, a host that starves the API of its
+cores), and refusing their requests would drain nothing: on a 2-core host shared with a
+test suite, a fuzzer's flood of new connections had the listener answer a lone client's
+request 503."""
+CLIENTS_S = 2.0
+"""A connection that sent a model nothing for this long is forgotten (checked once every
+this long, not on each request: a backlog has thousands of connections)."""
 PROBE_WAIT = 0.5
 """A model's probe (one request every ``probe_s`` let through to keep its time measured)
 is let through only if it waited at most this share of the budget: one that waited
@@ -210,6 +221,11 @@ class Overload:
     """Per model, its reads' current run above or below the target."""
     refused_unread: int = 0
     """Requests the listener refused by :meth:`refuses_unread`."""
+    _clients: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per model, the connections that sent it a request lately, with when
+    (:meth:`_clients_of`)."""
+    _forgot: float = float("-inf")
+    """When the connections not seen for ``CLIENTS_S`` were last forgotten."""
     counts_refusal: Callable[[str, float], None] | None = None
     """Counts a request the listener refused, once answered (its model, the seconds from
     its read): with the API's other 503s (api/metrics.py ``ApiMetrics.refused``)."""
@@ -240,11 +256,13 @@ class Overload:
         else:
             self.unread_budget_s.pop(model, None)
 
-    def refuses_unread(self, model: str, waited_s: float) -> bool:
+    def refuses_unread(self, model: str, waited_s: float, client: int) -> bool:
         """Whether a request for ``model`` whose bytes waited up to ``waited_s`` before
         their read is to be refused at once: in a standing backlog (:meth:`_standing`),
         its wait plus the time the model's requests take here (with ``DEVIATIONS``)
-        exceeds ``HEADROOM`` of its budget. One request a model still goes through every
+        exceeds ``HEADROOM`` of its budget, and at least ``CLIENTS`` connections sent the
+        model requests lately (``client``: the request's). One request a model still goes
+        through every
         ``probe_s``, to keep that time measured, if it waited at most ``PROBE_WAIT`` of
         the budget."""
         budget = self.unread_budget_s.get(model)
@@ -252,8 +270,11 @@ class Overload:
             return False
         waited = UNREAD_SHARE * waited_s
         now = time.monotonic()
+        clients = self._clients_of(model, client, now)
         if not self._standing(model, waited_s, waited, TARGET_SHARE * budget, now):
             return False
+        if clients < CLIENTS:
+            return False  # the backlog is not this model's
         took = self.took_s.get(model, 0.0) + DEVIATIONS * self.took_dev_s.get(model, 0.0)
         if waited + took <= HEADROOM * budget:
             return False
@@ -287,6 +308,18 @@ class Overload:
             if not above:
                 run.ended = now
         return run.standing
+
+    def _clients_of(self, model: str, client: int, now: float) -> int:
+        """The connections that sent ``model`` a request lately, ``client`` now among
+        them (those not seen for ``CLIENTS_S`` forgotten once every ``CLIENTS_S``)."""
+        if now - self._forgot >= CLIENTS_S:
+            self._forgot = now
+            for seen in self._clients.values():
+                for stale in [c for c, at in seen.items() if now - at > CLIENTS_S]:
+                    del seen[stale]
+        seen = self._clients.setdefault(model, {})
+        seen[client] = now
+        return len(seen)
 
     def refusal_answered(self, model: str, seconds: float) -> None:
         """The listener answered a request for ``model`` it refused by
