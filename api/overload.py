@@ -61,7 +61,8 @@ the timeout only (above) answered nothing in time; refusing those at a fraction 
 served request's cost drains the backlog. A burst, or a turn the host's scheduler made
 long, waits above the target for less than ``STANDING_S``: nothing is refused for it
 (judged by the longest wait and the loop's lag alone, on a busy 2-core host at half its
-capacity, 13% of the requests had been).
+capacity, 13% of the requests had been). Nor is a backlog that fewer than ``CLIENTS``
+connections of the model can be part of: what waits unread is then someone else's.
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class _Run:
     """A standing backlog: its requests are judged."""
     ended: float = float("-inf")
     """When the latest standing backlog ended."""
+
+
 CLIENTS = 4
 """The listener refuses a model's requests only where at least this many connections sent
 one within about the last ``CLIENTS_S``: a backlog of that model's own. Fewer clients
@@ -170,10 +173,10 @@ DEVIATIONS = 1.0
 """The listener judges a request by the time its model's requests took here plus this many
 mean deviations (the mean alone lets through about as many that end up late as not: in
 tests/test_api_shedding.py's setting, served p99 146-150 ms against a target of 100; with
-two deviations, 108-122 ms). Two refused requests that would have made it: on mlp_medium
-on a 2-core host, A/B in turns (bench/RESULTS-batching.md), goodput within the target at
-125% of capacity was 69%, 76%, 48% of capacity with two and 98%, 99%, 45% with one, at
-95% 89%, 92%, 87% against 94%, 65%, 92%, with the served p99 alike (72-97 ms)."""
+two deviations, 108-122 ms). But two refused many requests that would have made it: on
+mlp_medium on a 2-core host, A/B in turns (bench/RESULTS-batching.md), goodput within the
+target at 125% of capacity was 69%, 76%, 48% of capacity with two and 98%, 99%, 45% with
+one, at 95% 89%, 92%, 87% against 94%, 65%, 92%, the served p99 alike (72-97 ms)."""
 
 _ACTIVE: dict[asyncio.AbstractEventLoop, Overload] = {}
 """The started :class:`Overload` of each event loop, for its HTTP listener."""
@@ -265,9 +268,8 @@ class Overload:
         its wait plus the time the model's requests take here (with ``DEVIATIONS``)
         exceeds ``HEADROOM`` of its budget, and at least ``CLIENTS`` connections sent the
         model requests lately (``client``: the request's). One request a model still goes
-        through every
-        ``probe_s``, to keep that time measured, if it waited at most ``PROBE_WAIT`` of
-        the budget."""
+        through every ``probe_s``, to keep that time measured, if it waited at most
+        ``PROBE_WAIT`` of the budget."""
         budget = self.unread_budget_s.get(model)
         if budget is None:
             return False
