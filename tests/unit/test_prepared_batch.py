@@ -45,14 +45,40 @@ class Staging(Sleepy):
         return super().predict(inputs)
 
 
-def _loop() -> tuple[InferenceLoop, MemoryStreams, Staging]:
-    loop, streams, model = make_loop(model_type=Staging)
+class WaitsForTheNext(Staging):
+    """A staging model whose every batch waits, before it runs, until the batch after it
+    (of ``BATCHES``) has been stacked, or ``WAIT_S`` has passed: the next batch is
+    stacked while the model runs however slowly the host schedules the loop's thread."""
+
+    BATCHES = 3
+    WAIT_S = 10.0
+
+    def __init__(self, streams: MemoryStreams) -> None:
+        super().__init__(streams)
+        self._changed = threading.Condition()
+
+    def staging(self, name: str, shape: tuple[int, ...],
+                dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
+        with self._changed:
+            buffer = super().staging(name, shape, dtype)
+            self._changed.notify_all()
+        return buffer
+
+    def predict(self, inputs: dict[str, npt.NDArray[Any]]) -> dict[str, npt.NDArray[Any]]:
+        wanted = min(len(self.batches) + 2, self.BATCHES)
+        with self._changed:
+            self._changed.wait_for(lambda: len(self.stacked) >= wanted, self.WAIT_S)
+        return super().predict(inputs)
+
+
+def _loop(model_type: type[Staging] = Staging) -> tuple[InferenceLoop, MemoryStreams, Staging]:
+    loop, streams, model = make_loop(model_type=model_type)
     assert isinstance(model, Staging)
     return loop, streams, model
 
 
 def test_a_full_next_batch_is_stacked_while_the_model_runs() -> None:
-    loop, streams, model = _loop()
+    loop, streams, model = _loop(WaitsForTheNext)
     sent = [request(float(i)) for i in range(3 * ROWS)]
     for each in sent:
         streams.put(each)
