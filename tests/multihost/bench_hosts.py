@@ -8,8 +8,12 @@ Run as root (network namespaces, tests/multihost/netns.py)::
 A Redis host, an API host, a worker host (each API and worker host with a ``/dev/shm`` of
 its own) and a client host on one switch. ``image_mean`` (bench/redis_cost.py: a
 224x224x3 UINT8 image in, its channel means out) is loaded with wrk from the client host,
-first with ``CONVEYOR_TENSOR_TRANSPORT=redis`` (what crossing hosts cost before the bytes
-endpoint), then with the default ``auto``, which between hosts fetches the image from the
+one connection a wrk thread, so that each answer is checked against the image its
+connection sent: ``IMAGES`` images whose channel means differ, taken in turn, starting at
+another for each connection (a request answered with another's result, or with bytes
+other than its own, fails the run). First with ``CONVEYOR_TENSOR_TRANSPORT=redis`` (what
+crossing hosts cost before the bytes endpoint), then with the default ``auto``, which between
+hosts fetches the image from the
 API process. Per request: Redis's main-thread CPU (also less what it spends idle, per
 second, over the requests of a second), the bytes it read, the CPU of the API process and
 of the worker (its inference process and Celery's), and Redis's commands (calls and their
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,15 +35,22 @@ import uuid
 from pathlib import Path
 from typing import cast
 
+import numpy as np
+
 from batching.keys import Keys
 from bench.redis_cost import IMAGE, write_repository
-from conveyor.bench_load import REQUEST_TIMEOUT_S, parse_wrk, wrk_script
-from conveyor.bench_request import binary_body
+from conveyor.bench_load import REQUEST_TIMEOUT_S, lua_string, parse_wrk
+from conveyor.bench_request import Input, binary_body
 from tests.multihost.netns import Host, Network, sweep_leftovers, unavailable
 from tests.multihost.services import API_PORT, Services
 from tests.procs import ROOT, Proc, wait_for
 
 MODEL = "image_mean"
+IMAGES = 16
+"""Distinct images the load takes in turn (16 * 150 KB in each wrk thread's Lua state)."""
+SPREAD = 30
+"""Each pixel of image ``k`` is its channel's level plus or minus this, half of each, in a
+random order: the image's bytes vary, its channel means are exact integers."""
 IDLE_S = 3.0
 """How long Redis's main thread is measured with nothing sent (heartbeats, blocking reads,
 the API's watch): the work every request of a run shares."""
@@ -85,9 +97,94 @@ def group_cpu(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def levels(k: int) -> tuple[int, int, int]:
+    """Image ``k``'s channel means."""
+    return 40 + 10 * k, 45 + 10 * k, 50 + 10 * k
+
+
+def write_images(work: Path) -> dict[str, str]:
+    """``IMAGES`` request bodies (``body<k>``) and the raw FP32 output each must be answered
+    with (``answer<k>``) in ``work``; the bodies' headers (the same for all)."""
+    rng = np.random.default_rng(0)
+    pixels = IMAGE[0] * IMAGE[1]
+    signs = np.repeat(np.array([-1, 1], dtype=np.int16), pixels // 2)
+    headers: dict[str, str] = {}
+    for k in range(IMAGES):
+        channels = [level + SPREAD * rng.permutation(signs) for level in levels(k)]
+        image = np.stack(channels, axis=-1).astype(np.uint8).reshape(1, *IMAGE)
+        body = binary_body([Input("INPUT0", "UINT8", image)])
+        (work / f"body{k}").write_bytes(body.content)
+        (work / f"answer{k}").write_bytes(np.array(levels(k), dtype="<f4").tobytes())
+        headers = body.headers
+    return headers
+
+
+def checked_script(work: Path, headers: dict[str, str]) -> str:
+    """wrk's Lua: each thread (one connection) sends the images in turn, from its own
+    first, checks each answer's output bytes against its image's, and the main state
+    prints ``checked: <right> right, <wrong> wrong`` at the end."""
+    lines = ['wrk.method = "POST"']
+    lines += [f"wrk.headers[{lua_string(name)}] = {lua_string(value)}"
+              for name, value in headers.items()]
+    return "\n".join(lines) + f"""
+local dir = {lua_string(str(work))}
+local images = {IMAGES}
+local function slurp(name)
+  local file = assert(io.open(dir .. "/" .. name, "rb"))
+  local text = file:read("*a")
+  file:close()
+  return text
+end
+local threads = {{}}
+function setup(thread)
+  table.insert(threads, thread)
+  thread:set("id", #threads)
+end
+function init(args)
+  requests, answers = {{}}, {{}}
+  for k = 1, images do
+    requests[k] = wrk.format(nil, nil, nil, slurp("body" .. (k - 1)))
+    answers[k] = slurp("answer" .. (k - 1))
+  end
+  turn, pending, right, wrong = id % images, nil, 0, 0
+end
+function request()
+  turn = turn % images + 1
+  pending = turn
+  return requests[turn]
+end
+function response(status, headers, body)
+  local size = #answers[1]
+  if status == 200 and pending ~= nil and body:sub(-size) == answers[pending] then
+    right = right + 1
+  else
+    wrong = wrong + 1
+  end
+  pending = nil
+end
+function done(summary, latency, requests)
+  local right, wrong = 0, 0
+  for _, thread in ipairs(threads) do
+    right = right + thread:get("right")
+    wrong = wrong + thread:get("wrong")
+  end
+  io.write(string.format("checked: %d right, %d wrong\\n", right, wrong))
+end
+"""
+
+
+def checked(output: str) -> tuple[int, int]:
+    """The answers the script found right and wrong."""
+    found = re.search(r"^checked: (\d+) right, (\d+) wrong$", output, re.M)
+    if found is None:
+        raise RuntimeError(f"wrk printed no check:\n{output}")
+    return int(found[1]), int(found[2])
+
+
 def wrk(client: Host, url: str, body_dir: Path, args: argparse.Namespace, duration: int) -> str:
-    """wrk on the client host against ``url``; its output."""
-    argv = client.argv(["wrk", "-t", "2", "-c", str(args.concurrency), "-d", f"{duration}s",
+    """wrk on the client host against ``url``, a thread for each connection; its output."""
+    argv = client.argv(["wrk", "-t", str(args.concurrency), "-c", str(args.concurrency),
+                        "-d", f"{duration}s",
                         "--timeout", f"{REQUEST_TIMEOUT_S}s", "--latency",
                         "-s", str(body_dir / "request.lua"), url])
     return subprocess.run(argv, capture_output=True, text=True, check=True,
@@ -121,15 +218,18 @@ def measure(path: str, hosts: dict[str, Host], services: Services, repo: Path, w
             client.config_resetstat()
         cpu0, in0 = counters(services)
         own0 = group_cpu(api.pid), group_cpu(worker.pid)
-        out = parse_wrk(wrk(hosts["client"], url, work, args, args.duration))
+        report = wrk(hosts["client"], url, work, args, args.duration)
+        out = parse_wrk(report)
+        right, wrong = checked(report)
         cpu1, in1 = counters(services)
         own1 = group_cpu(api.pid), group_cpu(worker.pid)
         commands = command_costs(services, max(out.requests, 1))
     finally:
         api.kill_group()
         worker.kill_group()
-    if out.errors:
-        raise RuntimeError(f"{path}: {out.errors} requests failed\n{api.tail()}{worker.tail()}")
+    if out.errors or wrong or right != out.requests:
+        raise RuntimeError(f"{path}: {out.errors} requests failed, {wrong} answers wrong, "
+                           f"{right} of {out.requests} right\n{api.tail()}{worker.tail()}")
     n = out.requests
     per_request = (cpu1 - cpu0) * 1e6 / n
     beside = idle * 1e6 / out.throughput  # what the idle work adds to each request
@@ -155,10 +255,10 @@ def main() -> int:
     network = Network()
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-hosts-") as tmp:
         work = Path(tmp)
-        tensor = write_repository(work / "repo")[MODEL]
-        body = binary_body([tensor])
-        (work / "body").write_bytes(body.content)
-        (work / "request.lua").write_text(wrk_script(work / "body", body.headers))
+        write_repository(work / "repo")
+        headers = write_images(work)
+        size = (work / "body0").stat().st_size
+        (work / "request.lua").write_text(checked_script(work, headers))
         services = Services(work, "hb")
         try:
             network.open()
@@ -169,8 +269,9 @@ def main() -> int:
         finally:
             services.stop()
             network.remove()
-    print(f"image_mean ({'x'.join(map(str, IMAGE))} UINT8, {len(body.content):,} bytes a "
-          f"request), c={args.concurrency}, {args.duration}s, {os.cpu_count()} CPUs, "
+    print(f"image_mean ({'x'.join(map(str, IMAGE))} UINT8, {size:,} bytes a request, "
+          f"{IMAGES} images, every answer checked), c={args.concurrency}, "
+          f"{args.duration}s, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC; `python -m "
           f"tests.multihost.bench_hosts {' '.join(sys.argv[1:])}`\n")
     print("| inputs | requests | req/s | Redis main thread µs / request | idle, ms / s | "
