@@ -153,10 +153,20 @@ def test_hosts_fail_and_join_under_load_with_one_answer_per_request(
     cut = time.monotonic()
     network.cut(hosts["w3"])
     run.alive.remove(workers[2])
-    reclaimed = run.until(
-        lambda: time.monotonic() > cut + STALE_S + 1.5
-        and services.stats().get("reclaimed_count", 0) > before.get("reclaimed_count", 0)
-        and services.pending(victims) == 0, "the cut worker's entries reclaimed")
+    seen: dict[str, int] = {}
+
+    def cut_reclaimed() -> bool:
+        seen["reclaimed"] = (services.stats().get("reclaimed_count", 0)
+                             - before.get("reclaimed_count", 0))
+        seen["pending"] = services.pending(victims)
+        return (time.monotonic() > cut + STALE_S + 1.5 and seen["reclaimed"] > 0
+                and seen["pending"] == 0)
+
+    try:
+        reclaimed = run.until(cut_reclaimed, "the cut worker's entries reclaimed")
+    except AssertionError as exc:  # which half did not come: the claims, or the answers
+        raise AssertionError(f"entries reclaimed, and still pending with the cut worker: "
+                             f"{seen}\n{exc}") from None
     run.answered(PHASE, reclaimed, "answers after the cut")
 
     # 2. A fourth worker host joins: no configuration changes anywhere.
