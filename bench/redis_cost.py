@@ -6,7 +6,8 @@ Usage: python -m bench.redis_cost [--duration S] [--concurrency C] [--io-threads
 Serves two models through conveyor (``python -m api.serve`` with one API process, a
 Celery worker, an own redis-server): mlp_tiny (ONNX, 64 FP32 in, 10 out: a 256-byte tensor)
 and ``image_mean`` (Python, numpy), a 224x224x3 UINT8 image in (150,528 bytes, ResNet-50's
-input) and its 3 channel means out. Each is loaded with the binary tensor extension (wrk, closed loop); Redis's
+input) and its 3 channel means out. Each is loaded with the binary tensor extension (wrk,
+closed loop); Redis's
 own counters (``INFO commandstats``, ``total_net_input_bytes`` / ``total_net_output_bytes``,
 ``used_cpu_sys`` + ``used_cpu_user``), reset before and read after, are divided by the
 requests answered. From the main thread's CPU per request (``used_cpu_*_main_thread``): the

@@ -64,11 +64,15 @@ def run_h2load(url: str, body: Body, concurrency: int, duration_s: int, workdir:
 
 def wrk_script(body_path: Path, headers: dict[str, str]) -> str:
     """The Lua script that makes wrk POST the body file with ``headers``."""
-    lines = ['wrk.method = "POST"']
-    lines += [f"wrk.headers[{lua_string(name)}] = {lua_string(value)}" for name, value in headers.items()]
-    lines += [f"local file = assert(io.open({lua_string(str(body_path))}, \"rb\"))",
-              'wrk.body = file:read("*a")', "file:close()"]
+    lines = [wrk_post(headers), f"local file = assert(io.open({lua_string(str(body_path))}, \"rb\"))",
+             'wrk.body = file:read("*a")', "file:close()"]
     return "\n".join(lines) + "\n"
+
+
+def wrk_post(headers: dict[str, str]) -> str:
+    """wrk's Lua lines that make its requests POSTs with ``headers``."""
+    return "\n".join(['wrk.method = "POST"', *(
+        f"wrk.headers[{lua_string(name)}] = {lua_string(value)}" for name, value in headers.items())])
 
 
 def lua_string(text: str) -> str:

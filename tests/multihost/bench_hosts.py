@@ -39,7 +39,7 @@ import numpy as np
 
 from batching.keys import Keys
 from bench.redis_cost import IMAGE, write_repository
-from conveyor.bench_load import REQUEST_TIMEOUT_S, lua_string, parse_wrk
+from conveyor.bench_load import REQUEST_TIMEOUT_S, lua_string, parse_wrk, wrk_post
 from conveyor.bench_request import Input, binary_body
 from tests.multihost.netns import Host, Network, sweep_leftovers, unavailable
 from tests.multihost.services import API_PORT, Services
@@ -123,10 +123,7 @@ def checked_script(work: Path, headers: dict[str, str]) -> str:
     """wrk's Lua: each thread (one connection) sends the images in turn, from its own
     first, checks each answer's output bytes against its image's, and the main state
     prints ``checked: <right> right, <wrong> wrong`` at the end."""
-    lines = ['wrk.method = "POST"']
-    lines += [f"wrk.headers[{lua_string(name)}] = {lua_string(value)}"
-              for name, value in headers.items()]
-    return "\n".join(lines) + f"""
+    return wrk_post(headers) + f"""
 local dir = {lua_string(str(work))}
 local images = {IMAGES}
 local function slurp(name)
