@@ -51,10 +51,13 @@ def test_a_pipelined_request_s_clock_starts_when_it_was_read() -> None:
 
 @run
 async def test_a_grpc_call_s_clock_starts_when_its_headers_were_read() -> None:
-    """Its message came ``HELD_S`` after its headers: its task ran only then."""
+    """Its message came ``HELD_S`` after its headers were read (a PING sent behind them
+    was answered, so the listener had read them): its task ran only then."""
     async with serve() as server:
         raw = await Raw.connect(server)
-        raw.send(raw.head(1, RECEIVED))
+        raw.send(raw.head(1, RECEIVED), h2.frame(h2.PING, 0, 0, b"headers!"))
+        while await raw.until(h2.PING) != (h2.ACK, b"headers!"):
+            pass
         await asyncio.sleep(HELD_S)
         message = grpc_message(BytesValue(value=b"").SerializeToString())
         raw.send(h2.frame(h2.DATA, h2.END_STREAM, 1, message))
