@@ -138,6 +138,10 @@ class Network:
         """Take ``host``'s link down: from now on nothing it sends leaves, nothing reaches it."""
         ip("-n", host.netns, "link", "set", host.link, "down")
 
+    def restore(self, host: Host) -> None:
+        """Take ``host``'s link up again: what its processes send gets through once more."""
+        ip("-n", host.netns, "link", "set", host.link, "up")
+
     def remove(self) -> None:
         """End every process left in the namespaces and delete them, the switch last."""
         for netns in reversed(self.made):
