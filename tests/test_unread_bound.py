@@ -20,6 +20,9 @@ REQUEST = b"GET /quiet HTTP/1.1\r\nHost: t\r\n\r\n"
 IDLE_S = 1.0
 """How long a connection sits idle in these tests: far longer than a busy host takes to
 send a request right after an answer."""
+SETTLE_S = 0.05
+"""The listener marks a connection quiet just after it wrote the answer, which the client
+can read first: a busy host may hold the listener that long in between."""
 
 
 async def quiet_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -51,7 +54,7 @@ def test_a_request_sent_as_soon_as_answered_was_quiet_only_a_moment(port: int) -
         assert ask(sock) == "none"
         assert float(ask(sock)) < IDLE_S / 2  # sent as soon as answered: quiet only since
         time.sleep(IDLE_S)
-        assert float(ask(sock)) >= IDLE_S  # an idle keep-alive connection: quiet all along
+        assert float(ask(sock)) >= IDLE_S - SETTLE_S  # an idle keep-alive connection: quiet all along
 
 
 def test_pipelined_requests_count_from_when_the_connection_was_last_quiet(port: int) -> None:
@@ -62,4 +65,4 @@ def test_pipelined_requests_count_from_when_the_connection_was_last_quiet(port: 
         time.sleep(IDLE_S)
         sock.sendall(REQUEST + REQUEST)
         waited = [float(body) for body in answers(sock, 2)]
-    assert waited[0] >= IDLE_S and waited[1] >= IDLE_S, waited
+    assert waited[0] >= IDLE_S - SETTLE_S and waited[1] >= IDLE_S - SETTLE_S, waited
