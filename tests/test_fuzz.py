@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODELS, Stack
-from tests.procs import RedisServer, free_port
+from tests.procs import RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.fuzz
 
@@ -66,11 +66,16 @@ def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -
     # Fuzzed repository calls may have unloaded the model: load it back for the next test.
     httpx.post(f"{fuzz_stack.url}/v2/repository/models/digits/load", headers=AUTH, timeout=120)
     fuzz_stack.wait_ready(timeout=90)
+    wait_for(lambda: httpx.get(f"{fuzz_stack.url}/v2/models/digits/ready", headers=AUTH).status_code == 200,
+             90, "digits loaded back, its worker serving")
 
 
 def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stack) -> None:
     api, url = fuzz_stack.apis[0]
     assert api.log_path is not None
+    # The good client's requests must find digits served: after a reload, once it is ready.
+    wait_for(lambda: httpx.get(f"{url}/v2/models/digits/ready", headers=AUTH).status_code == 200,
+             90, "digits ready")
     report = api.log_path.with_name("fuzz-report.json")
     run = subprocess.run(
         [sys.executable, "-m", "bench.fuzz", "--url", url,
