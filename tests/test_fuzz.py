@@ -53,6 +53,13 @@ def fuzz_stack(redis_server: RedisServer, logdir: Path,
     stack.stop()
 
 
+def wait_digits_ready(url: str) -> None:
+    """Until digits itself is ready (the server's readiness comes before a reloaded
+    model's worker serves it)."""
+    wait_for(lambda: httpx.get(f"{url}/v2/models/digits/ready", headers=AUTH).status_code == 200,
+             90, "digits ready")
+
+
 def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -> None:
     seconds = min(120, max(10, int(SECONDS)))
     run = subprocess.run(
@@ -66,16 +73,13 @@ def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -
     # Fuzzed repository calls may have unloaded the model: load it back for the next test.
     httpx.post(f"{fuzz_stack.url}/v2/repository/models/digits/load", headers=AUTH, timeout=120)
     fuzz_stack.wait_ready(timeout=90)
-    wait_for(lambda: httpx.get(f"{fuzz_stack.url}/v2/models/digits/ready", headers=AUTH).status_code == 200,
-             90, "digits loaded back, its worker serving")
+    wait_digits_ready(fuzz_stack.url)
 
 
 def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stack) -> None:
     api, url = fuzz_stack.apis[0]
     assert api.log_path is not None
-    # The good client's requests must find digits served: after a reload, once it is ready.
-    wait_for(lambda: httpx.get(f"{url}/v2/models/digits/ready", headers=AUTH).status_code == 200,
-             90, "digits ready")
+    wait_digits_ready(url)  # the good client's requests must find digits served
     report = api.log_path.with_name("fuzz-report.json")
     run = subprocess.run(
         [sys.executable, "-m", "bench.fuzz", "--url", url,
