@@ -73,7 +73,6 @@ def test_schemathesis_finds_no_server_error(fuzz_stack: Stack, tmp_path: Path) -
     # Fuzzed repository calls may have unloaded the model: load it back for the next test.
     httpx.post(f"{fuzz_stack.url}/v2/repository/models/digits/load", headers=AUTH, timeout=120)
     fuzz_stack.wait_ready(timeout=90)
-    wait_digits_ready(fuzz_stack.url)
 
 
 def test_hostile_infer_requests_get_4xx_and_spare_a_good_client(fuzz_stack: Stack) -> None:
