@@ -63,6 +63,12 @@ long, waits above the target for less than ``STANDING_S``: nothing is refused fo
 (judged by the longest wait and the loop's lag alone, on a busy 2-core host at half its
 capacity, 13% of the requests had been). Nor is a backlog that fewer than ``CLIENTS``
 connections of the model can be part of: what waits unread is then someone else's.
+
+The listener also refuses a share of such a model's requests whatever their wait: the share
+that what came back of those it let through calls for (late, or shed unrun by the
+inference process: api/refusal_share.py). A request whose batch alone ran longer than
+``HEADROOM`` of the budget does not count: its model is too slow for its target, which no
+refusal mends.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from api.refusal_share import RefusalShare
 from api.turns import TurnClock
 from batching.config import ModelConfig
 from batching.errors import Overloaded
@@ -232,6 +239,9 @@ class Overload:
     (:meth:`_clients_of`)."""
     _forgot: float = float("-inf")
     """When the connections not seen for ``CLIENTS_S`` were last forgotten."""
+    share: RefusalShare = field(default_factory=RefusalShare)
+    """Per ``lifo`` model, the share of its requests the listener refuses at once for what
+    came back of those it let through (:meth:`outcome`, api/refusal_share.py)."""
     counts_refusal: Callable[[str, float], None] | None = None
     """Counts a request the listener refused, once answered (its model, the seconds from
     its read): with the API's other 503s (api/metrics.py ``ApiMetrics.refused``)."""
@@ -269,17 +279,23 @@ class Overload:
         exceeds ``HEADROOM`` of its budget, and at least ``CLIENTS`` connections sent the
         model requests lately (``client``: the request's). One request a model still goes
         through every ``probe_s``, to keep that time measured, if it waited at most
-        ``PROBE_WAIT`` of the budget."""
+        ``PROBE_WAIT`` of the budget. Whatever its wait, it is refused with the share of
+        the model's requests that came back late or shed lately (:attr:`share`), where
+        ``CLIENTS`` connections sent the model requests."""
         budget = self.unread_budget_s.get(model)
         if budget is None:
             return False
         waited = UNREAD_SHARE * waited_s
         now = time.monotonic()
         clients = self._clients_of(model, client, now)
-        if not self._standing(model, waited_s, waited, TARGET_SHARE * budget, now):
-            return False
+        standing = self._standing(model, waited_s, waited, TARGET_SHARE * budget, now)
         if clients < CLIENTS:
             return False  # the backlog is not this model's
+        if self.share.refuses(model):
+            self.refused_unread += 1
+            return True
+        if not standing:
+            return False
         took = self.took_s.get(model, 0.0) + DEVIATIONS * self.took_dev_s.get(model, 0.0)
         if waited + took <= HEADROOM * budget:
             return False
@@ -326,6 +342,12 @@ class Overload:
         seen[client] = now
         return len(seen)
 
+    def outcome(self, model: str, in_time: bool) -> None:
+        """A request of ``model`` the listener let through came back ``in_time`` (within
+        its budget) or not (late, or shed unrun by its inference process)."""
+        if model in self.unread_budget_s:
+            self.share.outcome(model, in_time)
+
     def refusal_answered(self, model: str, seconds: float) -> None:
         """The listener answered a request for ``model`` it refused by
         :meth:`refuses_unread`, ``seconds`` after its read."""
@@ -337,14 +359,19 @@ class Overload:
         """Whether the lag is being sampled (stopped while no request comes)."""
         return self._timer is not None
 
-    def answered(self, model: str, seconds: float) -> None:
-        """A request for ``model`` succeeded ``seconds`` after this process read it."""
+    def answered(self, model: str, seconds: float, exec_s: float = 0.0) -> None:
+        """A request for ``model`` succeeded ``seconds`` after this process read it, its
+        batch run in ``exec_s``: in time or late for :attr:`share`, unless the batch alone
+        took more than ``HEADROOM`` of the budget."""
         was = self.took_s.get(model)
         self.took_s[model] = seconds if was is None else was + SMOOTHING * (seconds - was)
         dev = self.took_dev_s.get(model, 0.0)
         off = 0.0 if was is None else abs(seconds - was)
         self.took_dev_s[model] = dev + SMOOTHING * (off - dev)
         self._answers += 1.0
+        budget = self.unread_budget_s.get(model)
+        if budget is not None and exec_s <= HEADROOM * budget:
+            self.outcome(model, seconds <= budget)
 
     def check(self, model: str, timeout_s: float, unread_at_most: float | None = None, *,
               final: bool = True) -> None:

@@ -3,9 +3,10 @@
 ``python -m bench.fixed_rate mlp_medium 1500,2000,2500`` starts the stack as
 :mod:`bench.sweep` does (one per run), sends Poisson (or ``--arrivals on-off``) arrivals at
 each rate, ``--rounds`` times (1 s warm-up, then ``--seconds`` measured,
-``parameters.timeout`` = ``--target-ms``; round ``k`` draws its arrivals from ``--seed`` +
+``parameters.timeout`` = ``--timeout-ms``, by default ``--target-ms``; round ``k`` draws its arrivals from ``--seed`` +
 ``k``, by default the rate) and prints the goodput (200s within the target, per second),
-the count of each status and the 200s that came after the target. Where the
+the count of each status, the 200s that came after the target and the requests the
+inference process shed unrun (``conveyor_shed_total``; the other 503s are the API's). Where the
 sweep takes shares of a capacity it measures once, this takes absolute rates: on a host
 whose speed drifts, alternate runs of two variants at the same rates compare them.
 """
@@ -20,6 +21,12 @@ from pathlib import Path
 from bench import sweep
 from bench.models import write_repository
 from bench.sweep_report import Setting
+
+
+SERVED = ("conveyor_queue_duration_seconds_sum", "conveyor_queue_duration_seconds_count",
+          "conveyor_batch_execution_seconds_sum", "conveyor_batch_execution_seconds_count",
+          "conveyor_rows_total")
+"""The /metrics figures of where the served requests' time went."""
 
 
 def main() -> None:
@@ -37,6 +44,8 @@ def main() -> None:
                         help="of the first round's arrivals (default: the rate)")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--target-ms", type=float, default=50.0)
+    parser.add_argument("--timeout-ms", type=float, default=None,
+                        help="each request's parameters.timeout (default: --target-ms)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="conveyor-fixed-rate-") as folder:
         run(args, Path(folder))
@@ -51,19 +60,26 @@ def run(args: argparse.Namespace, work: Path) -> None:
     if args.intra_op is not None:
         with (repo / args.model / "config.yaml").open("a") as config:
             config.write(f"cpu_threads:\n  intra_op: {args.intra_op}\n")
-    body = sweep.request_body(args.model, int(args.target_ms * 1000))
+    body = sweep.request_body(args.model, int((args.timeout_ms or args.target_ms) * 1000))
     with sweep.conveyor(args.model, repo, work, body) as stack:
-        sweep.closed_rps(stack, 64, 2.0)
+        print(f"closed-loop capacity: {sweep.capacity_rps(stack, 2.0):.0f} req/s", flush=True)
         for rate in args.rates:
             for k in range(args.rounds):
+                shed = stack.shed()
+                before = stack.metric(*SERVED)
                 seed = (int(rate) if args.seed is None else args.seed) + k
                 times = sweep.ARRIVALS[args.arrivals](rate, 1.0 + args.seconds, seed)
                 out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
                 statuses = dict(sorted(collections.Counter(out.statuses).items()))
                 late = out.count(200) - out.good(args.target_ms)
+                shed = stack.shed() - shed
+                q_s, q_n, x_s, x_n, rows, = (b - a for a, b in zip(before, stack.metric(*SERVED),
+                                                                   strict=True))
                 print(f"{setting.label} {args.arrivals} {rate:.0f} req/s: goodput "
                       f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses "
-                      f"{statuses}, late 200s {late}, lost {out.lost}, new connections "
+                      f"{statuses}, late 200s {late}, shed by the worker {shed:.0f}, mean queue "
+                      f"{q_s / max(q_n, 1) * 1e3:.1f} ms, batch {rows / max(x_n, 1):.1f} rows "
+                      f"run in {x_s / max(x_n, 1) * 1e3:.1f} ms, lost {out.lost}, new connections "
                       f"{out.extra_connections}, "
                       f"send lag p99 {out.lag_p99_ms():.1f} ms", flush=True)
 

@@ -81,8 +81,8 @@ class Stack:
     def path(self) -> str:
         return f"/v2/models/{self.model}/infer"
 
-    def estimates(self) -> tuple[float, float]:
-        """The worker's learned ``(a, b)`` of ``t(n) = a + b·n``, from /metrics."""
+    def metric(self, *names: str) -> list[float]:
+        """The model's value of each of ``names`` on /metrics (0 where absent)."""
         url = f"http://{self.host}:{self.port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as resp:
             text = resp.read().decode()
@@ -91,8 +91,17 @@ class Stack:
             found = re.search(rf'^{name}{{[^}}]*model="{self.model}"[^}}]*}} (\S+)$', text, re.M)
             return float(found.group(1)) if found else 0.0
 
-        return (value("conveyor_policy_latency_intercept_seconds"),
-                value("conveyor_policy_latency_slope_seconds"))
+        return [value(name) for name in names]
+
+    def estimates(self) -> tuple[float, float]:
+        """The worker's learned ``(a, b)`` of ``t(n) = a + b·n``, from /metrics."""
+        a, b = self.metric("conveyor_policy_latency_intercept_seconds",
+                           "conveyor_policy_latency_slope_seconds")
+        return a, b
+
+    def shed(self) -> float:
+        """Requests the inference process answered unrun so far (``conveyor_shed_total``)."""
+        return self.metric("conveyor_shed_total")[0]
 
 
 def request_body(model: str, timeout_us: int) -> bytes:
