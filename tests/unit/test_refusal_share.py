@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.overload import CLIENTS, HEADROOM, Overload
+from api.overload import CLIENTS, HEADROOM, SHARE_PER_ANSWER, Overload
 from api.refusal_share import DOWN, MOST, UP, RefusalShare
 from batching.config import BatchingConfig, ModelConfig
 from batching.envelope import Reply, Request
@@ -24,7 +24,8 @@ def lifo(overload: str = "lifo") -> ModelConfig:
 
 def judged(config: ModelConfig = lifo()) -> Overload:
     """An Overload that has seen ``CLIENTS`` connections send m a request that did not wait,
-    and whose every draw refuses where the share is above 0."""
+    and whose every draw refuses where the share is above 0 (its budget of refusals per
+    answer does not age here: the sampler is not started)."""
     overload = Overload(share=RefusalShare(draw=lambda: 0.0))
     overload.learn("m", config)
     for client in range(CLIENTS):
@@ -84,8 +85,20 @@ def test_a_model_too_slow_for_its_target_is_not_refused_for_it() -> None:
 
 def test_a_request_the_inference_process_shed_raises_the_share() -> None:
     overload = judged()
+    overload.answered("m", BUDGET_S / 2)
+    assert not overload.refuses_unread("m", 0.0, 0)
     overload.outcome("m", False)
     assert overload.refuses_unread("m", 0.0, 0)
+
+
+def test_refusals_by_the_share_are_held_to_a_budget_per_answer() -> None:
+    overload = judged()
+    for _ in range(10):
+        overload.answered("m", 2 * BUDGET_S)  # late: the share rises; 10 answers
+    refused = sum(overload.refuses_unread("m", 0.0, 0) for _ in range(100))
+    assert refused == int(SHARE_PER_ANSWER * 10)  # a closed loop is not kept out by it
+    overload.answered("m", 2 * BUDGET_S)
+    assert overload.refuses_unread("m", 0.0, 0)  # one answer more: room for one more
 
 
 def test_few_clients_and_fifo_models_are_never_refused_for_it() -> None:
