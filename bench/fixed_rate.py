@@ -1,12 +1,14 @@
 """Open-loop points at fixed offered rates, with what every request got.
 
 ``python -m bench.fixed_rate mlp_medium 1500,2000,2500`` starts the stack as
-:mod:`bench.sweep` does (one per run), sends Poisson (or ``--arrivals on-off``) arrivals at
-each rate, ``--rounds`` times (1 s warm-up, then ``--seconds`` measured,
-``parameters.timeout`` = ``--timeout-ms``, by default ``--target-ms``; round ``k`` draws its arrivals from ``--seed`` +
-``k``, by default the rate) and prints the goodput (200s within the target, per second),
-the count of each status, the 200s that came after the target and the requests the
-inference process shed unrun (``conveyor_shed_total``; the other 503s are the API's). Where the
+:mod:`bench.sweep` does (one per run), prints its closed-loop capacity, sends Poisson (or
+``--arrivals on-off``) arrivals at each rate, ``--rounds`` times (1 s warm-up, then
+``--seconds`` measured, ``parameters.timeout`` = ``--timeout-ms``, by default
+``--target-ms``; round ``k`` draws its arrivals from ``--seed`` + ``k``, by default the
+rate) and prints the goodput (200s within the target, per second), the count of each
+status, the 200s that came after the target, the requests the inference process shed
+unrun (``conveyor_shed_total``; the other 503s are the API's) and where the served
+requests' time went (mean queue time, batch size and run time, from /metrics). Where the
 sweep takes shares of a capacity it measures once, this takes absolute rates: on a host
 whose speed drifts, alternate runs of two variants at the same rates compare them.
 """
@@ -21,7 +23,6 @@ from pathlib import Path
 from bench import sweep
 from bench.models import write_repository
 from bench.sweep_report import Setting
-
 
 SERVED = ("conveyor_queue_duration_seconds_sum", "conveyor_queue_duration_seconds_count",
           "conveyor_batch_execution_seconds_sum", "conveyor_batch_execution_seconds_count",

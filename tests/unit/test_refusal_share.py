@@ -22,12 +22,12 @@ def lifo(overload: str = "lifo") -> ModelConfig:
                                                             overload=overload))
 
 
-def judged(config: ModelConfig = lifo()) -> Overload:
+def judged(config: ModelConfig | None = None) -> Overload:
     """An Overload that has seen ``CLIENTS`` connections send m a request that did not wait,
     and whose every draw refuses where the share is above 0 (its budget of refusals per
     answer does not age here: the sampler is not started)."""
     overload = Overload(share=RefusalShare(draw=lambda: 0.0))
-    overload.learn("m", config)
+    overload.learn("m", config or lifo())
     for client in range(CLIENTS):
         assert not overload.refuses_unread("m", 0.0, client)
     return overload
