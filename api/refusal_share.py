@@ -16,9 +16,10 @@ calls for) leaves one late for 16 in time. Below capacity nearly every answer is
 and the share stays near 0.
 
 Measured on mlp_medium on a 2-core host (bench/fixed_rate.py, 1 s timeouts, a 50 ms
-target; bench/RESULTS-batching.md), at 108-125% of capacity: 71-79% of capacity answered
-within the target with it, 27-57% without (the inference process shedding 400-750 parsed
-requests a second); with ``UP`` at 4 times ``DOWN`` more in time than at 2 or 16 times.
+target, fresh stacks in turns; bench/RESULTS-batching.md): the median goodput of 6 rounds
+at 1,300, 1,600 and 1,900 req/s offered (capacity about 1,400) rose from 1,011, 897 and
+792 to 1,134, 1,024 and 961 a second, and what the inference process shed from 430-3,700
+a run to 0-404; ``UP`` at 2 or 8 times ``DOWN`` did less.
 """
 
 from __future__ import annotations
