@@ -6,9 +6,11 @@ long it waited unread, which only sees a backlog in this process's sockets. Past
 on a small host the excess also shows further on: requests the API parsed, admitted and
 sent on come back late (the API's own turns, the reply's way) or shed unrun by the
 inference process (it could not answer them within the latency target), and each of those
-cost the API nearly what an answer costs. So every request of a ``lifo`` model that comes
-back late or shed raises the share of its model's requests refused at the headers (a
-pre-encoded 503, no body parsed, no Redis), and every one answered in time lowers it, by
+cost the API nearly what an answer costs. So once the inference process has shed one
+(within ``SHED_MEMORY_S`` of it, api/overload.py), the listener refuses at the headers (a
+pre-encoded 503, no body parsed, no Redis) a share of that model's requests: every request
+of a ``lifo`` model that comes back late or shed raises it, and every one answered in time
+lowers it, by
 ``UP`` and ``DOWN`` of what is left to move, as an AQM's drop probability follows its
 queue (RED, PIE). The share ``p`` settles where ``p / (1 - p)`` is ``UP / DOWN`` times the
 late answers per answer in time: refusing a fifth of the requests (what 125% of capacity
@@ -16,10 +18,12 @@ calls for) leaves one late for 16 in time. Below capacity nearly every answer is
 and the share stays near 0.
 
 Measured on mlp_medium on a 2-core host (bench/fixed_rate.py, 1 s timeouts, a 50 ms
-target, fresh stacks in turns; bench/RESULTS-batching.md): the median goodput of 6 rounds
-at 1,300, 1,600 and 1,900 req/s offered (capacity about 1,400) rose from 1,011, 897 and
-792 to 1,134, 1,024 and 961 a second, and what the inference process shed from 430-3,700
-a run to 0-404; ``UP`` at 2 or 8 times ``DOWN`` did less.
+target, fresh stacks in turns; bench/RESULTS-batching.md): the median goodput of 4 rounds
+at 1,300, 1,600 and 1,900 req/s offered (capacity about 1,100-1,500) was 863, 811 and 882
+a second against 726, 745 and 502 before, and what the inference process shed 135-1,538 a
+run against 472-3,611 (in one round of the four, the host at its slowest, the share did
+worse: 352, 160 and 100 against 406, 527 and 455). Before the shed gated it, ``UP`` at 2
+or 8 times ``DOWN`` did less than at 4.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class InferenceService:
             reply = await self.dispatcher.submit(admission, request, left_ms / 1000.0)
             if not reply.ok:
                 if reply.error_code == Overloaded.code:
-                    self.overload.outcome(model, False)
+                    self.overload.shed(model)
                 raise from_code(reply.error_code, reply.error)
             if regions is not None:
                 await regions.write(reply.outputs)

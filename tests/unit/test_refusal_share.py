@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from api.overload import CLIENTS, HEADROOM, SHARE_PER_ANSWER, Overload
+from api.overload import CLIENTS, HEADROOM, SHARE_PER_ANSWER, SHED_MEMORY_S, Overload
 from api.refusal_share import DOWN, MOST, UP, RefusalShare
 from batching.config import BatchingConfig, ModelConfig
 from batching.envelope import Reply, Request
@@ -55,15 +55,42 @@ def test_the_share_settles_where_its_odds_are_up_over_down_times_the_late_odds()
         assert share.of("m") == pytest.approx(odds / (1 + odds), rel=0.2)
 
 
-def test_a_request_is_refused_with_the_share_whatever_its_wait() -> None:
+def test_after_a_shed_a_request_is_refused_with_the_share_whatever_its_wait() -> None:
     draws = iter([0.5, 0.01])
     overload = judged()
     overload.share.draw = lambda: next(draws)
-    overload.answered("m", 2 * BUDGET_S)  # late: by its model's budget
+    overload.answered("m", BUDGET_S / 2)  # in time: one answer, a refusal's budget
+    overload.shed("m")  # came back shed unrun
     assert overload.share.of("m") == pytest.approx(UP)
     assert not overload.refuses_unread("m", 0.0, 0)  # drew 0.5: let through
-    assert overload.refuses_unread("m", 0.0, 0)  # drew 0.01: refused, without a backlog
+    assert overload.refuses_unread("m", 0.0, 0)  # drew 0.01: refused, without a wait
     assert overload.refused_unread == 1
+
+
+def test_late_answers_alone_refuse_nothing_until_a_shed() -> None:
+    overload = judged()
+    for _ in range(20):  # a host that other work slows, clients in a closed loop
+        overload.answered("m", 2 * BUDGET_S)
+    assert overload.share.of("m") > 0.3
+    assert not any(overload.refuses_unread("m", 0.0, c) for c in range(CLIENTS))
+    overload.standing_s = 0.0  # a backlog stands as soon as it is there
+    overload.took_s["m"] = overload.took_dev_s["m"] = 0.0
+    assert not overload.refuses_unread("m", 0.02, 0)  # standing: only the wait rule judges
+    overload.shed("m")
+    assert overload.refuses_unread("m", 0.0, 0)
+
+
+def test_a_shed_is_remembered_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("api.overload.time.monotonic", lambda: now[0])
+    overload = judged()
+    overload.answered("m", 2 * BUDGET_S)
+    overload.answered("m", 2 * BUDGET_S)
+    overload.shed("m")
+    now[0] += SHED_MEMORY_S * 0.9
+    assert overload.refuses_unread("m", 0.0, 0)
+    now[0] += SHED_MEMORY_S * 0.2
+    assert not overload.refuses_unread("m", 0.0, 0)
 
 
 def test_answers_in_time_leave_nothing_refused() -> None:
@@ -83,18 +110,11 @@ def test_a_model_too_slow_for_its_target_is_not_refused_for_it() -> None:
     assert overload.share.of("m") > 0.0
 
 
-def test_a_request_the_inference_process_shed_raises_the_share() -> None:
-    overload = judged()
-    overload.answered("m", BUDGET_S / 2)
-    assert not overload.refuses_unread("m", 0.0, 0)
-    overload.outcome("m", False)
-    assert overload.refuses_unread("m", 0.0, 0)
-
-
 def test_refusals_by_the_share_are_held_to_a_budget_per_answer() -> None:
     overload = judged()
     for _ in range(10):
         overload.answered("m", 2 * BUDGET_S)  # late: the share rises; 10 answers
+    overload.shed("m")
     refused = sum(overload.refuses_unread("m", 0.0, 0) for _ in range(100))
     assert refused == int(SHARE_PER_ANSWER * 10)  # a closed loop is not kept out by it
     overload.answered("m", 2 * BUDGET_S)
@@ -106,20 +126,20 @@ def test_few_clients_and_fifo_models_are_never_refused_for_it() -> None:
     overload.learn("m", lifo())
     for _ in range(10):
         overload.answered("m", 2 * BUDGET_S)
+    overload.shed("m")
     assert not any(overload.refuses_unread("m", 0.0, c) for c in range(CLIENTS - 1))
     fifo = judged(lifo("fifo"))
     for _ in range(10):
         fifo.answered("m", 2 * BUDGET_S)
-        fifo.outcome("m", False)
+        fifo.shed("m")
     assert fifo.share.of("m") == 0.0 and not fifo.refuses_unread("m", 0.0, 0)
 
 
 def test_the_service_reports_what_the_inference_process_shed(
         client: TestClient, dispatcher: MemoryDispatcher,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[str, bool]] = []
-    monkeypatch.setattr(Overload, "outcome",
-                        lambda self, model, in_time: seen.append((model, in_time)))
+    seen: list[str] = []
+    monkeypatch.setattr(Overload, "shed", lambda self, model: seen.append(model))
     shed = Overloaded("past capacity: cannot be answered within the model's latency target")
 
     def answer(request: Request) -> Reply:
@@ -130,4 +150,4 @@ def test_the_service_reports_what_the_inference_process_shed(
     response = client.post("/v2/models/echo/infer", json={"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": x.ravel().tolist()}]})
     assert response.status_code == 503
-    assert seen == [("echo", False)]
+    assert seen == ["echo"]
