@@ -69,12 +69,11 @@ WARN_EVERY_S = 60.0
 INFER_URL = re.compile(rb"^/v2/models/([^/?%]+)(?:/versions/[^/?%]+)?/infer$")
 """The model of an infer request's URL (a percent-encoded name is left to the route)."""
 _UNREAD_BODY = (b'{"error":"past capacity: the request waited unread longer than its model\'s '
-                b'latency target allows, or this model\'s requests are answered late here"}')
+                b'latency target allows"}')
 UNREAD_REFUSAL = b"".join([STATUS_LINE[503], b"content-type: application/json\r\n",
                            b"retry-after: 1\r\n",
                            b"content-length: %d\r\n\r\n" % len(_UNREAD_BODY), _UNREAD_BODY])
-"""The answer to a request refused for its unread wait, or with the share of its model's
-requests that came back late (api/refusal_share.py), written as it is."""
+"""The answer to a request refused for its unread wait, written as it is."""
 UNREAD_REFUSAL_CLOSE = UNREAD_REFUSAL.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1)
 DISCONNECT_HOOK = "conveyor.on_disconnect"
 """Scope key of a function (no arguments) to call when the client hangs up before the

@@ -63,12 +63,6 @@ long, waits above the target for less than ``STANDING_S``: nothing is refused fo
 (judged by the longest wait and the loop's lag alone, on a busy 2-core host at half its
 capacity, 13% of the requests had been). Nor is a backlog that fewer than ``CLIENTS``
 connections of the model can be part of: what waits unread is then someone else's.
-
-The listener also refuses a share of such a model's requests whatever their wait, within
-``SHED_MEMORY_S`` of one that its inference process shed unrun: the share that what came
-back of those it let through calls for (late, or shed: api/refusal_share.py). A request
-whose batch alone ran longer than ``HEADROOM`` of the budget does not count: its model is
-too slow for its target, which no refusal mends.
 """
 
 from __future__ import annotations
@@ -79,7 +73,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from api.refusal_share import RefusalShare
 from api.turns import TurnClock
 from batching.config import ModelConfig
 from batching.errors import Overloaded
@@ -185,23 +178,6 @@ mlp_medium on a 2-core host, A/B in turns (bench/RESULTS-batching.md), goodput w
 target at 125% of capacity was 69%, 76%, 48% of capacity with two and 98%, 99%, 45% with
 one, at 95% 89%, 92%, 87% against 94%, 65%, 92%, the served p99 alike (72-97 ms)."""
 
-SHARE_PER_ANSWER = 1.0
-"""The listener's refusals by :attr:`Overload.share` are held to this many per request
-answered, over about the last ``RATE_S``, with the process's other budgeted refusals:
-clients that send again as soon as they are refused (a closed loop) are not kept out by
-refusing them, only made to send more. At 1.0, offered rates up to twice what is answered
-are refused down to it. Without it, 256 connections in a closed loop on mlp_medium on a
-2-core host had 220 requests a second answered, 975 without the share; with it, 968."""
-
-SHED_MEMORY_S = 1.0
-"""The share refuses only within this long of a request the inference process shed: late
-answers alone (a host that other work slows, many clients in a closed loop) are no excess
-that refusing drains. Refusing by the share on late answers alone, or in a standing backlog
-of unread requests too, had 64 tritonclient threads on digits refused on a 2-core host
-running the test suite (tests/test_digits.py); within a second of a shed only, past
-capacity on mlp_medium the median goodput of 4 rounds in turns at 1,300, 1,600 and 1,900
-req/s was 863, 811 and 882 a second against 726, 745 and 502 before the share."""
-
 _ACTIVE: dict[asyncio.AbstractEventLoop, Overload] = {}
 """The started :class:`Overload` of each event loop, for its HTTP listener."""
 
@@ -256,11 +232,6 @@ class Overload:
     (:meth:`_clients_of`)."""
     _forgot: float = float("-inf")
     """When the connections not seen for ``CLIENTS_S`` were last forgotten."""
-    _shed_at: dict[str, float] = field(default_factory=dict)
-    """Per model, when a request came back shed unrun by the inference process."""
-    share: RefusalShare = field(default_factory=RefusalShare)
-    """Per ``lifo`` model, the share of its requests the listener refuses at once for what
-    came back of those it let through (:meth:`outcome`, api/refusal_share.py)."""
     counts_refusal: Callable[[str, float], None] | None = None
     """Counts a request the listener refused, once answered (its model, the seconds from
     its read): with the API's other 503s (api/metrics.py ``ApiMetrics.refused``)."""
@@ -298,27 +269,17 @@ class Overload:
         exceeds ``HEADROOM`` of its budget, and at least ``CLIENTS`` connections sent the
         model requests lately (``client``: the request's). One request a model still goes
         through every ``probe_s``, to keep that time measured, if it waited at most
-        ``PROBE_WAIT`` of the budget. Whatever its wait, within ``SHED_MEMORY_S`` of a
-        request of the model shed by its inference process, it is refused with the share
-        that the model's late and shed answers call for (:attr:`share`), where ``CLIENTS``
-        connections sent the model requests."""
+        ``PROBE_WAIT`` of the budget."""
         budget = self.unread_budget_s.get(model)
         if budget is None:
             return False
         waited = UNREAD_SHARE * waited_s
         now = time.monotonic()
         clients = self._clients_of(model, client, now)
-        standing = self._standing(model, waited_s, waited, TARGET_SHARE * budget, now)
+        if not self._standing(model, waited_s, waited, TARGET_SHARE * budget, now):
+            return False
         if clients < CLIENTS:
             return False  # the backlog is not this model's
-        if (now - self._shed_at.get(model, float("-inf")) < SHED_MEMORY_S
-                and self._refusals + 1.0 <= SHARE_PER_ANSWER * self._answers
-                and self.share.refuses(model)):
-            self._refusals += 1.0
-            self.refused_unread += 1
-            return True
-        if not standing:
-            return False
         took = self.took_s.get(model, 0.0) + DEVIATIONS * self.took_dev_s.get(model, 0.0)
         if waited + took <= HEADROOM * budget:
             return False
@@ -365,18 +326,6 @@ class Overload:
         seen[client] = now
         return len(seen)
 
-    def outcome(self, model: str, in_time: bool) -> None:
-        """A request of ``model`` the listener let through came back ``in_time`` (within
-        its budget) or not (late, or shed unrun by its inference process)."""
-        if model in self.unread_budget_s:
-            self.share.outcome(model, in_time)
-
-    def shed(self, model: str) -> None:
-        """A request of ``model`` came back shed unrun by its inference process (past
-        capacity, it could not be answered within the latency target)."""
-        self._shed_at[model] = time.monotonic()
-        self.outcome(model, False)
-
     def refusal_answered(self, model: str, seconds: float) -> None:
         """The listener answered a request for ``model`` it refused by
         :meth:`refuses_unread`, ``seconds`` after its read."""
@@ -388,19 +337,14 @@ class Overload:
         """Whether the lag is being sampled (stopped while no request comes)."""
         return self._timer is not None
 
-    def answered(self, model: str, seconds: float, exec_s: float = 0.0) -> None:
-        """A request for ``model`` succeeded ``seconds`` after this process read it, its
-        batch run in ``exec_s``: in time or late for :attr:`share`, unless the batch alone
-        took more than ``HEADROOM`` of the budget."""
+    def answered(self, model: str, seconds: float) -> None:
+        """A request for ``model`` succeeded ``seconds`` after this process read it."""
         was = self.took_s.get(model)
         self.took_s[model] = seconds if was is None else was + SMOOTHING * (seconds - was)
         dev = self.took_dev_s.get(model, 0.0)
         off = 0.0 if was is None else abs(seconds - was)
         self.took_dev_s[model] = dev + SMOOTHING * (off - dev)
         self._answers += 1.0
-        budget = self.unread_budget_s.get(model)
-        if budget is not None and exec_s <= HEADROOM * budget:
-            self.outcome(model, seconds <= budget)
 
     def check(self, model: str, timeout_s: float, unread_at_most: float | None = None, *,
               final: bool = True) -> None:

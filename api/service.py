@@ -25,7 +25,6 @@ from batching.errors import (
     ConveyorError,
     DeadlineExceeded,
     InvalidInput,
-    Overloaded,
     Unavailable,
     from_code,
 )
@@ -176,8 +175,6 @@ class InferenceService:
                                   config.queue.partition_rows, model, part)
             reply = await self.dispatcher.submit(admission, request, left_ms / 1000.0)
             if not reply.ok:
-                if reply.error_code == Overloaded.code:
-                    self.overload.shed(model)
                 raise from_code(reply.error_code, reply.error)
             if regions is not None:
                 await regions.write(reply.outputs)
@@ -195,7 +192,7 @@ class InferenceService:
             if placed is not None and self.arena is not None:
                 self.arena.free(placed)
         took = self._count(model, "success", started)
-        self.overload.answered(model, took, reply.exec_ms / 1000.0)
+        self.overload.answered(model, took)
         self.outside.observe(model, took, (reply.queue_ms + reply.exec_ms) / 1000.0)
         series = self.metrics.of(model)
         series.queue.observe(reply.queue_ms / 1000.0)
