@@ -17,7 +17,10 @@ NAME = "device"
 A_S, B_S = 0.008, 0.0005
 MAX_BATCH_SIZE = 16
 
-MODEL_PY = f'''"""{NAME}: sleeps {A_S * 1e3:g} ms + {B_S * 1e3:g} ms a row (bench/device_model.py)."""
+
+def model_py(a_s: float = A_S, b_s: float = B_S) -> str:
+    """The model's ``model.py``: a batch of ``n`` rows sleeps ``a_s + b_s·n``."""
+    return f'''"""{NAME}: sleeps {a_s * 1e3:g} ms + {b_s * 1e3:g} ms a row (bench/device_model.py)."""
 import time
 
 
@@ -27,19 +30,22 @@ class Model:
 
     def predict(self, inputs):
         x = inputs["x"]
-        time.sleep({A_S} + {B_S} * x.shape[0])
+        time.sleep({a_s} + {b_s} * x.shape[0])
         return {{"y": x}}
 '''
+
+
 CONFIG = (f"backend: python\nmax_batch_size: {MAX_BATCH_SIZE}\n"
           "inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]\n"
           "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n")
 """Its ``config.yaml``, but for the ``batching`` section each stack adds."""
 
 
-def write(root: Path) -> None:
-    """``root/device/model.py``; its config.yaml is :data:`CONFIG` plus a batching section."""
+def write(root: Path, a_s: float = A_S, b_s: float = B_S) -> None:
+    """``root/device/model.py`` (:func:`model_py`); its config.yaml is :data:`CONFIG` plus a
+    batching section."""
     (root / NAME).mkdir(parents=True, exist_ok=True)
-    (root / NAME / "model.py").write_text(MODEL_PY)
+    (root / NAME / "model.py").write_text(model_py(a_s, b_s))
 
 
 def request_body() -> dict[str, object]:

@@ -3,9 +3,10 @@ policy's overload order (``batching.overload: lifo``, the default), a request th
 answered is answered within the latency target, and the excess is refused fast (503 or
 504), not answered after a wait, even though every request carries a timeout of 1 s.
 
-The model is a device (bench/device_model.py): each batch of ``n`` rows takes 8 ms +
-0.5 ms·n and no CPU, so the bound holds on a busy host. Measured here at 140%: served
-p50 29 ms and p99 52 ms, refused p50 38 ms and p99 51 ms, 96% of the capacity served.
+The model is a device (bench/device_model.py): each batch of ``n`` rows takes 30 ms +
+1 ms·n and no CPU, so the bound holds on a busy host. Measured on a slow 2-core host
+(closed-loop capacity 229-277 req/s), at 140% and more: served p99 97-106 ms, refused p99
+108-113 ms, none lost, alike with a core kept busy by another process.
 With ``fifo`` (the order of deadlines, shedding only what cannot make its own 1 s
 deadline) the queue stands at about that timeout: p99 1,004 ms served, 1,009 ms refused.
 """
@@ -24,7 +25,13 @@ from bench.sweep import closed_rps, conveyor, request_body
 pytestmark = pytest.mark.serial
 
 MODEL = device_model.NAME
-TARGET_MS = 50.0
+A_S, B_S = 0.030, 0.001
+"""The device's batch of ``n`` rows takes 30 ms + 1 ms·n: a full batch (16 rows) 46 ms,
+about 350 rows a second, so that the device, not the API process, is what saturates even on
+a slow busy host (at 8 ms + 0.5 ms·n, about 1,000 rows a second, a 2-core host whose API
+served 714 requests a second in a closed loop was the bottleneck itself, and the served p99
+went to 87 ms against a 50 ms target)."""
+TARGET_MS = 100.0
 TIMEOUT_US = 1_000_000
 PAST = 1.4
 """Offered load, as a share of the closed-loop capacity, at first (raised while less than a
@@ -40,7 +47,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def test_past_capacity_answers_in_time_or_refuses_fast(tmp_path: Path) -> None:
-    device_model.write(tmp_path / "repo")
+    device_model.write(tmp_path / "repo", A_S, B_S)
     (tmp_path / "repo" / MODEL / "config.yaml").write_text(
         device_model.CONFIG + f"batching: {{latency_target_ms: {TARGET_MS:g}}}\n")
     body = request_body(MODEL, TIMEOUT_US)
@@ -62,6 +69,7 @@ def test_past_capacity_answers_in_time_or_refuses_fast(tmp_path: Path) -> None:
     seen = f"capacity {capacity:.0f}/s, {out.sent} sent: {len(served)} served, " \
            f"p99 {percentile(served, 0.99):.1f} ms; {len(refused)} refused, p99 " \
            f"{percentile(refused, 0.99):.1f} ms; {out.lost} lost"
+    print(seen)
     assert len(refused) > 0.1 * out.sent, f"never past capacity: {seen}"
     assert len(served) > 0.5 * out.sent / share, seen
     assert percentile(served, 0.99) <= TARGET_MS + SLACK_MS, seen
