@@ -26,8 +26,8 @@ from bench.sweep_report import Setting
 
 SERVED = ("conveyor_queue_duration_seconds_sum", "conveyor_queue_duration_seconds_count",
           "conveyor_batch_execution_seconds_sum", "conveyor_batch_execution_seconds_count",
-          "conveyor_rows_total")
-"""The /metrics figures of where the served requests' time went."""
+          "conveyor_rows_total", "conveyor_shed_total")
+"""The /metrics figures of where the served requests' time went, and of those shed."""
 
 
 def main() -> None:
@@ -66,15 +66,13 @@ def run(args: argparse.Namespace, work: Path) -> None:
         print(f"closed-loop capacity: {sweep.capacity_rps(stack, 2.0):.0f} req/s", flush=True)
         for rate in args.rates:
             for k in range(args.rounds):
-                shed = stack.shed()
                 before = stack.metric(*SERVED)
                 seed = (int(rate) if args.seed is None else args.seed) + k
                 times = sweep.ARRIVALS[args.arrivals](rate, 1.0 + args.seconds, seed)
                 out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
                 statuses = dict(sorted(collections.Counter(out.statuses).items()))
                 late = out.count(200) - out.good(args.target_ms)
-                shed = stack.shed() - shed
-                q_s, q_n, x_s, x_n, rows, = (b - a for a, b in zip(before, stack.metric(*SERVED),
+                q_s, q_n, x_s, x_n, rows, shed = (b - a for a, b in zip(before, stack.metric(*SERVED),
                                                                    strict=True))
                 print(f"{setting.label} {args.arrivals} {rate:.0f} req/s: goodput "
                       f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses "

@@ -99,10 +99,6 @@ class Stack:
                            "conveyor_policy_latency_slope_seconds")
         return a, b
 
-    def shed(self) -> float:
-        """Requests the inference process answered unrun so far (``conveyor_shed_total``)."""
-        return self.metric("conveyor_shed_total")[0]
-
 
 def request_body(model: str, timeout_us: int) -> bytes:
     body = (device_model.request_body() if model == device_model.NAME
