@@ -59,6 +59,17 @@ def queue_delay_us(batching: BatchingSchema) -> int:
     return ADAPTIVE_BOUND_US if batching.adaptive else 0
 
 
+def overload(batching: BatchingSchema) -> str:
+    """``overload`` as set, or by default ``lifo`` for a model whose ``latency_target_ms``
+    is set and ``fifo`` for one left at the default target: a model that states a target
+    is served against it past capacity (newest first, what cannot make it refused at
+    once), and one that does not is served as Triton serves, every request in the order
+    of its deadline (docs/batching.md)."""
+    if batching.overload is not None:
+        return batching.overload
+    return "lifo" if "latency_target_ms" in batching.model_fields_set else "fifo"
+
+
 UNSET = -1
 
 
@@ -70,10 +81,12 @@ class BatchingConfig:
     preferred_batch_sizes: tuple[int, ...] = ()
     latency_target_ms: float = 50.0
     adaptive: bool = True
-    overload: str = "lifo"
+    overload: str = "fifo"
     """Past capacity, the adaptive policy's order (docs/batching.md): ``lifo``, newest
     first and what cannot make the latency target answered at once; ``fifo``, the order
-    of deadlines and only what cannot make its own deadline answered at once."""
+    of deadlines and only what cannot make its own deadline answered at once. From a
+    configuration, ``lifo`` by default where ``latency_target_ms`` is set
+    (:func:`overload`)."""
 
     def __post_init__(self) -> None:
         if self.max_queue_delay_us == UNSET:
@@ -203,7 +216,7 @@ class ModelConfig:
             batching=BatchingConfig(queue_delay_us(batching),
                                     tuple(batching.preferred_batch_sizes),
                                     batching.latency_target_ms, batching.adaptive,
-                                    batching.overload),
+                                    overload(batching)),
             queue=QueueConfig(queue.priority_levels, queue.default_priority,
                               queue.max_queue_rows, queue.default_timeout_ms,
                               queue.max_priority_wait_ms, queue.partitions),

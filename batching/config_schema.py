@@ -89,7 +89,8 @@ class BatchingSchema(_Section):
     preferred_batch_sizes: list[Annotated[int, Field(ge=1, le=INT32_MAX)]] = []
     latency_target_ms: _Positive = 50.0
     adaptive: bool = True
-    overload: Literal["lifo", "fifo"] = "lifo"
+    overload: Literal["lifo", "fifo"] | None = None
+    """None: ``lifo`` where ``latency_target_ms`` is set, else ``fifo`` (:func:`overload`)."""
 
 
 class QueueSchema(_Section):

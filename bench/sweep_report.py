@@ -144,7 +144,8 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         f"policies take turns, in an order rotated from one point to the next; each model's "
         f"`config.yaml` holds only `batching: {{max_queue_delay_us, "
         f"adaptive, latency_target_ms: {args.target_ms:g}}}` (adaptive: max_queue_delay_us 20000, "
-        "a bound, not a wait, and `overload` left at its default, `lifo`; the device model's "
+        "a bound, not a wait, and `overload` left at its default, `lifo` for a model that "
+        "sets its target; the device model's "
         "also declares its tensors: "
         "bench/device_model.py, a batch of n rows sleeps 8 ms + 0.5 ms·n)",
         f"- load: bench.open_loop, keep-alive HTTP/1.1 connections opened in advance (a request "

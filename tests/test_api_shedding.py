@@ -84,7 +84,8 @@ def percentile(values: list[float], q: float) -> float:
 
 @pytest.fixture(scope="module")
 def lifo() -> Iterator[tuple[SlowApi, open_loop.Outcome]]:
-    api = SlowApi(ModelConfig("m", "onnx", batching=BatchingConfig(latency_target_ms=TARGET_MS)))
+    api = SlowApi(ModelConfig("m", "onnx", batching=BatchingConfig(latency_target_ms=TARGET_MS,
+                                                                      overload="lifo")))
     yield api, run_past_capacity(api)
 
 

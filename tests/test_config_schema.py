@@ -203,7 +203,7 @@ def test_a_full_config_becomes_the_dataclasses() -> None:
     })
     assert config.inputs == (TensorSpec("t", "INT64", (-1, -1), 1, 7.0),)
     assert config.outputs == (TensorSpec("o", "FP16", (-1, -1), 1, 0.0),)
-    assert config.batching == BatchingConfig(100, (4, 8), 20.0, False)
+    assert config.batching == BatchingConfig(100, (4, 8), 20.0, False, "lifo")
     assert config.queue == QueueConfig(5, 5, 64, 1000)
     assert config.instances == (InstanceGroup("cuda:1", 2), InstanceGroup("cpu", 1))
     assert (config.execution_timeout_s, config.max_batch_cost, config.max_deliveries) == (

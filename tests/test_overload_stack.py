@@ -1,5 +1,6 @@
 """Past capacity on the real stack (API, Redis, a Celery worker): with the adaptive
-policy's overload order (``batching.overload: lifo``, the default), a request that is
+policy's overload order (``batching.overload: lifo``, the default for a
+model that sets ``latency_target_ms``), a request that is
 answered is answered within the latency target, and the excess is refused fast (503 or
 504), not answered after a wait, even though every request carries a timeout of 1 s.
 

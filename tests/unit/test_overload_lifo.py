@@ -1,4 +1,5 @@
-"""Past capacity with ``batching.overload: lifo`` (the adaptive policy's default): a
+"""Past capacity with ``batching.overload: lifo`` (the adaptive policy's default where
+``latency_target_ms`` is set): a
 standing queue is served newest first, and what cannot be answered within the latency
 target is answered at once, whatever the request's own timeout; the queue drained, the
 order of deadlines comes back."""
@@ -114,7 +115,10 @@ def test_the_overload_order_is_a_config_key() -> None:
     def overload(batching: dict[str, object]) -> str:
         return ModelConfig.from_dict("m", {"batching": batching}, "python").batching.overload
 
-    assert overload({}) == "lifo" and overload({"overload": "fifo"}) == "fifo"
+    assert overload({"latency_target_ms": 50}) == "lifo"
+    assert overload({"latency_target_ms": 50, "overload": "fifo"}) == "fifo"
+    # No target of its own: served as Triton serves, unless lifo is asked for.
+    assert overload({}) == "fifo" and overload({"overload": "lifo"}) == "lifo"
     with pytest.raises(ConfigError, match=r"batching\.overload must be 'lifo' or 'fifo'"):
         overload({"overload": "newest"})
 
