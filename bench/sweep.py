@@ -8,8 +8,10 @@ Usage: python -m bench.sweep [--models mlp_medium,mlp_tiny,device] [--loads 10,3
                              [--repeats 1] [--slices 1] [--triton] [--out bench/RESULTS-batching.md]
 
 Per model: conveyor (redis-server, ``python -m api.serve``, one Celery worker) with the
-adaptive policy measures its closed-loop capacity (the better of 64 and 256 connections, req/s)
-and the whole-path batch time its policy learned (``t(n) = a + b·n``); every policy's stack
+adaptive policy and the first fixed window measure the closed-loop capacity (the most req/s
+answered 200 by 64 or 256 connections on either stack: closed-loop, lifo refuses what waits
+past the target, so the adaptive stack's alone understates it) and the adaptive stack the
+whole-path batch time its policy learned (``t(n) = a + b·n``); every policy's stack
 runs beside it, and at every arrival pattern and load (a share of that capacity) each policy
 takes its turn, in an order rotated from one point to the next (``--repeats`` rounds of
 turns; each policy's point is then its run of median goodput). With ``--slices K`` a run
@@ -307,10 +309,15 @@ def sweep_model(model: str, work: Path, args: argparse.Namespace) -> dict[str, o
         _, c1_ms = closed_rps(learned, 1, 2.0)
         device = Device(f"{model} (learned)", base_s=a, per_row_s=b)
         path_s = max(0.0, c1_ms / 1e3 - device.seconds(1))
-        print(f"{model}: capacity {capacity:.0f} req/s, t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} "
-              f"ms·n, fixed path {path_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
         for setting in settings[1:]:
             closed_rps(served[setting], 64, args.warmup_s)
+        if args.fixed:
+            # Closed-loop, the adaptive policy's lifo refuses what waits past the target, so
+            # its 200s alone understate what the model serves; the first fixed window
+            # refuses nothing: the better of the two is the capacity.
+            capacity = max(capacity, capacity_rps(served[settings[1]], args.capacity_s))
+        print(f"{model}: capacity {capacity:.0f} req/s, t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} "
+              f"ms·n, fixed path {path_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
         points: list[Point] = []
         at = [(pattern, share) for pattern in args.arrivals for share in args.loads]
         turn = 0

@@ -182,7 +182,8 @@ def report(results: Sequence[dict[str, object]], args: argparse.Namespace, start
         a, b, path_s = (float(str(result[k])) for k in ("a", "b", "path_s"))
         lines += [
             f"### {result['model']}", "",
-            "Capacity (closed loop, the better of 64 and 256 connections, adaptive): "
+            "Capacity (closed loop, the most of 64 and 256 connections on the adaptive stack and "
+            "the first fixed window's): "
             f"{float(str(result['capacity'])):,.0f} req/s. "
             f"Learned whole-path batch time t(n) = {a * 1e3:.2f} ms + {b * 1e3:.3f} ms·n; "
             f"fixed path outside the worker {path_s * 1e3:.2f} ms.", "",
