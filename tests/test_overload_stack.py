@@ -70,7 +70,6 @@ def test_past_capacity_answers_in_time_or_refuses_fast(tmp_path: Path) -> None:
     seen = f"capacity {capacity:.0f}/s, {out.sent} sent: {len(served)} served, " \
            f"p99 {percentile(served, 0.99):.1f} ms; {len(refused)} refused, p99 " \
            f"{percentile(refused, 0.99):.1f} ms; {out.lost} lost"
-    print(seen)
     assert len(refused) > 0.1 * out.sent, f"never past capacity: {seen}"
     assert len(served) > 0.5 * out.sent / share, seen
     assert percentile(served, 0.99) <= TARGET_MS + SLACK_MS, seen

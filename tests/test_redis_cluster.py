@@ -57,12 +57,6 @@ def body(value: float) -> dict[str, object]:
                         "data": [value, 1.0, 2.0, 3.0]}]}
 
 
-CONFIG = PICKY_CONFIG + "batching: {overload: fifo}\n"
-"""Served in the order of deadlines: a burst of 60 new connections on a host the suite keeps
-busy can wait unread past the latency target, and under ``lifo`` the HTTP listener refuses
-such a backlog (docs/batching.md), which is not what this test is about."""
-
-
 def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_server: RedisServer,
                                                logdir: Path, tmp_path: Path) -> None:
     models = one_model_per_node(cluster)
@@ -72,7 +66,7 @@ def test_the_stack_serves_models_on_three_nodes(cluster: ClusterSet, redis_serve
     for name in models:
         (repository / name).mkdir(parents=True)
         (repository / name / "model.py").write_text(PICKY)
-        (repository / name / "config.yaml").write_text(CONFIG)
+        (repository / name / "config.yaml").write_text(PICKY_CONFIG)
     stack = Stack(cluster.url, repository, logdir, extra_env={
         "CONVEYOR_CELERY_BROKER_URL": redis_server.url, "CONVEYOR_API_WORKERS": "2"})
     try:
