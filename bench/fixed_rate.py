@@ -72,8 +72,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
                 out = sweep.drive(stack, times, 1.0, sweep.connections_for(rate))
                 statuses = dict(sorted(collections.Counter(out.statuses).items()))
                 late = out.count(200) - out.good(args.target_ms)
-                q_s, q_n, x_s, x_n, rows, shed = (b - a for a, b in zip(before, stack.metric(*SERVED),
-                                                                   strict=True))
+                after = stack.metric(*SERVED)
+                q_s, q_n, x_s, x_n, rows, shed = (b - a for a, b in zip(before, after, strict=True))
                 print(f"{setting.label} {args.arrivals} {rate:.0f} req/s: goodput "
                       f"{out.good(args.target_ms) / args.seconds:.0f} req/s, statuses "
                       f"{statuses}, late 200s {late}, shed by the worker {shed:.0f}, mean queue "
